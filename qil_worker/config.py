@@ -1,0 +1,140 @@
+"""Qwen3 ``config.json`` → a typed, validated config.
+
+Only the dense Qwen3 architecture is accepted; anything we would silently compute wrong
+(another model type, non-default RoPE scaling, sliding windows, attention biases) is rejected
+with an error that names the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qil_worker.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+_REQUIRED_INT_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """The hyper-parameters the forward needs, with Qwen3's meaning of each."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads that share one KV head (GQA group size)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Qwen3Config":
+        """Validate a parsed config.json (Transformers 4.x or 5.x spelling)."""
+        model_type = raw.get("model_type")
+        if model_type != "qwen3":
+            raise ConfigError(
+                f"model_type: expected 'qwen3' (dense Qwen3), got {model_type!r}; "
+                "qil only serves Qwen3 dense text models"
+            )
+        architectures = raw.get("architectures")
+        if architectures is not None and not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+            raise ConfigError(
+                f"architectures: expected one of {list(SUPPORTED_ARCHITECTURES)}, got {architectures!r}"
+            )
+        for name in _REQUIRED_INT_FIELDS:
+            value = raw.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+        heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+        if heads % kv_heads:
+            raise ConfigError(
+                f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}"
+            )
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+            raise ConfigError(f"head_dim: expected a positive even integer, got {head_dim!r}")
+        if raw.get("attention_bias"):
+            raise ConfigError("attention_bias: Qwen3 dense models have no attention bias; got true")
+        if raw.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window: sliding-window attention is not supported")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act: only 'silu' is supported, got {act!r}")
+        return cls(
+            hidden_size=raw["hidden_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=raw["intermediate_size"],
+            vocab_size=raw["vocab_size"],
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+    @classmethod
+    def from_directory(cls, path: str | Path) -> "Qwen3Config":
+        """Read ``config.json`` from a model directory."""
+        config_path = Path(path) / "config.json"
+        try:
+            raw = json.loads(config_path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{config_path}: no config.json in the model directory") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{config_path}: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{config_path}: expected a JSON object")
+        return cls.from_dict(raw)
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    """RoPE base, accepting ``rope_theta``/``rope_scaling`` (4.x) and ``rope_parameters`` (5.x)."""
+    for field in ("rope_scaling", "rope_parameters"):
+        params = raw.get(field)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise ConfigError(f"{field}: expected an object or null, got {params!r}")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(
+                f"{field}: rope_type {rope_type!r} is not supported (only the default RoPE)"
+            )
+        if field == "rope_parameters" and "rope_theta" in params:
+            return float(params["rope_theta"])
+    return float(raw.get("rope_theta", 1_000_000.0))
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"eos_token_id: expected an int or a list of ints, got {value!r}")
+    return tuple(values)

@@ -1,0 +1,111 @@
+"""Flatten one step's scheduled chunks into the tensors of a single model forward.
+
+Chunks of one token (decodes, and the last token of a recompute) form the first attention group,
+longer chunks the second; within the step's flat token order the groups are contiguous, so the
+model slices instead of gathering. Small index tensors are built on the host and moved once;
+the larger ones (key slots, masks) are derived on the device from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qil_worker.engine.scheduler import ScheduledChunk
+from qil_worker.model.attention import AttentionGroup, AttentionMetadata
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] flat index of each sampled request's last token
+    sampled: list[ScheduledChunk]  # chunks whose request gets a new token, in row order
+    chunks: list[ScheduledChunk]  # every chunk, in flat token order
+
+
+def build_step_batch(
+    chunks: list[ScheduledChunk], page_size: int, query_groups: int, device: torch.device
+) -> StepBatch:
+    """``query_groups``: query heads per KV head (the GQA fold of the attention mask)."""
+    singles = [c for c in chunks if c.num_tokens == 1]
+    multis = [c for c in chunks if c.num_tokens > 1]
+    ordered = singles + multis
+
+    input_ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    sample_indices: list[int] = []
+    sampled: list[ScheduledChunk] = []
+    for row, chunk in enumerate(ordered):
+        input_ids.extend(chunk.request.token_ids(chunk.start, chunk.end))
+        positions.extend(range(chunk.start, chunk.end))
+        rows.extend([row] * chunk.num_tokens)
+        if chunk.samples:
+            sample_indices.append(len(input_ids) - 1)
+            sampled.append(chunk)
+
+    max_pages = max(len(c.request.page_table.pages) for c in ordered)
+    tables = torch.tensor(
+        [c.request.page_table.pages + [0] * (max_pages - len(c.request.page_table.pages)) for c in ordered],
+        dtype=torch.long,
+    ).to(device, non_blocking=True)
+    positions_t = torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
+    rows_t = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    slot_mapping = tables[rows_t, positions_t // page_size] * page_size + positions_t % page_size
+
+    groups: list[AttentionGroup] = []
+    start = 0
+    for members, first_row in ((singles, 0), (multis, len(singles))):
+        if not members:
+            continue
+        groups.append(
+            _group(members, start, first_row, tables[first_row : first_row + len(members)], page_size, query_groups, device)
+        )
+        start += sum(c.num_tokens for c in members)
+
+    return StepBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
+        positions=positions_t,
+        attention=AttentionMetadata(slot_mapping=slot_mapping, groups=groups),
+        sample_indices=torch.tensor(sample_indices, dtype=torch.long).to(device, non_blocking=True),
+        sampled=sampled,
+        chunks=ordered,
+    )
+
+
+def _group(
+    members: list[ScheduledChunk],
+    start: int,
+    first_row: int,
+    tables: torch.Tensor,
+    page_size: int,
+    query_groups: int,
+    device: torch.device,
+) -> AttentionGroup:
+    batch = len(members)
+    q_max = max(c.num_tokens for c in members)
+    l_max = max(c.end for c in members)
+    key_positions = torch.arange(l_max, device=device)
+    key_slots = tables[:, key_positions // page_size] * page_size + key_positions % page_size
+    # Padded query rows look at key 0 only (always written), so no row is fully masked.
+    query_positions = torch.zeros(batch, q_max, dtype=torch.long)
+    pad_index: list[int] = []
+    for b, c in enumerate(members):
+        query_positions[b, : c.num_tokens] = torch.arange(c.start, c.end)
+        pad_index.extend(range(b * q_max, b * q_max + c.num_tokens))
+    query_positions = query_positions.to(device, non_blocking=True)
+    mask = key_positions[None, None, :] <= query_positions[:, :, None]  # [B, q_max, l_max]
+    mask = mask.repeat_interleave(query_groups, dim=1).unsqueeze(1)
+    return AttentionGroup(
+        start=start,
+        end=start + sum(c.num_tokens for c in members),
+        batch=batch,
+        q_max=q_max,
+        pad_index=None if q_max == 1 else torch.tensor(pad_index, dtype=torch.long).to(device, non_blocking=True),
+        key_slots=key_slots,
+        key_lengths=torch.tensor([c.end for c in members], dtype=torch.long),
+        mask=mask,
+    )

@@ -1,0 +1,255 @@
+"""The in-process engine: submit requests, step the batched forward, read events and results."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from qil_worker.engine.batch import build_step_batch
+from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
+from qil_worker.engine.request import Request
+from qil_worker.engine.sampler import Sampler
+from qil_worker.engine.scheduler import Scheduler
+from qil_worker.engine.validation import validate_submit
+from qil_worker.errors import DuplicateRequestError, UnknownRequestError
+from qil_worker.kv import KVCache, PagePool, PageTable
+from qil_worker.model import Qwen3
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_pages_total: int
+    num_pages_used: int
+    num_pages_free: int
+    page_size: int
+    token_budget: int
+    prefill_chunk: int
+    max_active: int
+    num_running: int
+    num_waiting: int
+
+
+class Engine:
+    """Continuous batching over a paged KV cache: each ``step()`` is one model forward.
+
+    Not thread-safe: one owner calls ``submit``/``cancel``/``step`` (the worker process loop).
+    """
+
+    def __init__(
+        self,
+        model: Qwen3,
+        num_pages: int = 512,
+        page_size: int = 16,
+        token_budget: int = 512,
+        prefill_chunk: int = 512,
+        max_active: int = 64,
+        debug: bool = False,
+    ) -> None:
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("token_budget", token_budget),
+            ("prefill_chunk", prefill_chunk),
+            ("max_active", max_active),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        c = model.config
+        self.model = model
+        self.page_size = page_size
+        self.pool = PagePool(num_pages)
+        self.kv = KVCache(
+            c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
+            model.dtype, model.device, debug=debug,
+        )
+        self.scheduler = Scheduler(
+            self.pool, token_budget, prefill_chunk, max_active, on_pages_freed=self.kv.forget_pages
+        )
+        self.sampler = Sampler()
+        self._eos_ids = frozenset(c.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._pending: list[Event] = []  # final events of cancels, emitted by the next step
+        self._ids = itertools.count()
+        self._closed = False
+
+    # -- requests in -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        token_ids: Sequence[int],
+        max_new_tokens: int = 16,
+        stop_token_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request and return its id; invalid or impossible requests raise at once."""
+        self._check_open()
+        prompt, stops = validate_submit(
+            token_ids, max_new_tokens, stop_token_ids, request_id,
+            self.model.config, self.pool.total, self.page_size,
+        )
+        existing = self._requests.get(request_id) if request_id is not None else None
+        if existing is not None and not existing.finished:
+            raise DuplicateRequestError(request_id)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._requests:
+                request_id = f"req-{next(self._ids)}"
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=frozenset(stops) | self._eos_ids,
+            page_table=PageTable(self.page_size),
+            metrics=RequestMetrics(arrival_time=time.perf_counter()),
+        )
+        self._requests[request_id] = request  # replaces a finished request of the same id
+        self.scheduler.add(request)
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """End a request now and free its pages; True if it was still active."""
+        request = self._requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        self._finish(request, FinishReason.CANCELLED)
+        self._pending.append(self._final_event(request, token_id=None))
+        return True
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Run one batched forward over all scheduled work and return its events."""
+        self._check_open()
+        events, self._pending = self._pending, []
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return events
+        now = time.perf_counter()
+        for chunk in chunks:
+            if chunk.request.metrics.first_scheduled_time is None:
+                chunk.request.metrics.first_scheduled_time = now
+        try:
+            batch = build_step_batch(
+                chunks, self.page_size, self.model.config.num_query_groups, self.model.device
+            )
+            logits = self.model(
+                batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices
+            )
+            tokens = self.sampler.sample(logits)
+        except Exception as exc:  # the whole forward failed: fail its requests, keep serving
+            log.exception("step failed for %d request(s)", len(chunks))
+            for chunk in chunks:
+                events.append(self._fail(chunk.request, f"step failed: {type(exc).__name__}: {exc}"))
+            return events
+        for chunk in batch.chunks:
+            chunk.request.num_computed_tokens = chunk.end
+        now = time.perf_counter()
+        for chunk, token in zip(batch.sampled, tokens):
+            events.append(self._accept_token(chunk.request, token, now))
+        return events
+
+    def _accept_token(self, request: Request, token: int, now: float) -> Event:
+        try:
+            request.output_token_ids.append(token)
+            request.metrics.record_token(now)
+            reason = None
+            if token in request.stop_token_ids:
+                reason = FinishReason.STOP
+            elif len(request.output_token_ids) >= request.max_new_tokens:
+                reason = FinishReason.LENGTH
+            if reason is None:
+                return Event(request.request_id, token, len(request.output_token_ids) - 1)
+            self._finish(request, reason)
+            return self._final_event(request, token_id=token)
+        except Exception as exc:  # a fault of this request only
+            log.exception("request %s failed", request.request_id)
+            return self._fail(request, f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, request: Request, message: str) -> Event:
+        request.error = message
+        self._finish(request, FinishReason.ERROR)
+        return self._final_event(request, token_id=None)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.remove(request)
+        request.finish_reason = reason
+        request.metrics.finished_time = time.perf_counter()
+
+    @staticmethod
+    def _final_event(request: Request, token_id: int | None) -> Event:
+        index = len(request.output_token_ids) - (1 if token_id is not None else 0)
+        return Event(request.request_id, token_id, index, True, request.finish_reason, request.error)
+
+    # -- state and results -------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting, nothing running and no event left to hand out."""
+        return not self.scheduler.has_work and not self._pending
+
+    def result(self, request_id: str) -> Result:
+        """The request as it stands (finished or not); known until ``release``."""
+        return self._get(request_id).result()
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request so a long-running engine keeps bounded memory."""
+        request = self._get(request_id)
+        if not request.finished:
+            raise ValueError(f"request {request_id!r} is still active; cancel it first")
+        del self._requests[request_id]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_pages_total=self.pool.total,
+            num_pages_used=self.pool.num_used,
+            num_pages_free=self.pool.num_free,
+            page_size=self.page_size,
+            token_budget=s.token_budget,
+            prefill_chunk=s.prefill_chunk,
+            max_active=s.max_active,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 16,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[Result]:
+        """Run a batch of prompts to completion and return their results in order."""
+        ids = [self.submit(p, max_new_tokens, stop_token_ids) for p in prompts]
+        while not all(self._requests[i].finished for i in ids):
+            self.step()
+        results = [self.result(i) for i in ids]
+        for i in ids:
+            self.release(i)
+        return results
+
+    def close(self) -> None:
+        """Cancel what is active and drop the KV tensors."""
+        if self._closed:
+            return
+        for request in list(self._requests.values()):
+            if not request.finished:
+                self._finish(request, FinishReason.CANCELLED)
+        self._closed = True
+        self.kv.k = self.kv.v = torch.empty(0)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+
+    def _get(self, request_id: str) -> Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"unknown request id {request_id!r}") from None

@@ -1,0 +1,101 @@
+"""What the engine hands back: per-token events and per-request results."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended. ``str`` values keep them readable in logs and JSON."""
+
+    STOP = "stop"  # an EOS id of the model or a stop id of the request was produced
+    LENGTH = "length"  # max_new_tokens reached
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step's news about one request.
+
+    A token event has ``token_id`` and its ``index`` in the output. The final event of a request
+    has ``finished=True`` and a ``finish_reason``; it carries the last token when the request
+    ended by producing one, and ``token_id=None`` when it was cancelled or failed.
+    """
+
+    request_id: str
+    token_id: int | None
+    index: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timings measured in the engine (seconds, ``time.perf_counter`` clock)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    max_inter_token_latency: float = 0.0
+    num_preemptions: int = 0
+
+    def record_token(self, now: float) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+        elif self.last_token_time is not None:
+            self.max_inter_token_latency = max(self.max_inter_token_latency, now - self.last_token_time)
+        self.last_token_time = now
+
+
+@dataclass(frozen=True)
+class Result:
+    """A request as it stands: its tokens, why it ended and how fast it went."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: FinishReason | None
+    error: str | None
+    queue_time: float | None
+    ttft: float | None
+    completion_time: float | None
+    mean_inter_token_latency: float | None
+    max_inter_token_latency: float | None
+    num_preemptions: int = 0
+    finished: bool = field(default=False)
+
+    @classmethod
+    def of(
+        cls,
+        request_id: str,
+        prompt: list[int],
+        output: list[int],
+        finish_reason: FinishReason | None,
+        error: str | None,
+        m: RequestMetrics,
+    ) -> "Result":
+        def since_arrival(t: float | None) -> float | None:
+            return None if t is None else t - m.arrival_time
+
+        mean_itl = None
+        if m.first_token_time is not None and m.last_token_time is not None and len(output) > 1:
+            mean_itl = (m.last_token_time - m.first_token_time) / (len(output) - 1)
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            output_token_ids=list(output),
+            finish_reason=finish_reason,
+            error=error,
+            queue_time=since_arrival(m.first_scheduled_time),
+            ttft=since_arrival(m.first_token_time),
+            completion_time=since_arrival(m.finished_time),
+            mean_inter_token_latency=mean_itl,
+            max_inter_token_latency=m.max_inter_token_latency if len(output) > 1 else None,
+            num_preemptions=m.num_preemptions,
+            finished=finish_reason is not None,
+        )

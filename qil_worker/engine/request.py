@@ -1,0 +1,64 @@
+"""A request's state: tokens known, tokens computed, pages held, where it is in its life."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from qil_worker.engine.outputs import FinishReason, RequestMetrics, Result
+from qil_worker.kv.page_table import PageTable
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages (new, or preempted to recompute later)
+    RUNNING = "running"  # admitted, holds pages for its computed tokens
+    FINISHED = "finished"  # ended for good; holds no pages
+
+
+@dataclass(eq=False)
+class Request:
+    """Prompt plus generated tokens, of which the first ``num_computed_tokens`` are in the KV cache.
+
+    There is no prefill or decode phase: the scheduler simply lets ``num_computed_tokens`` catch
+    up with ``num_tokens``; whenever it does, the next token is sampled.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    page_table: PageTable
+    metrics: RequestMetrics
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    admitted_seq: int = -1  # admission order: the most recent one is preempted first
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output, without building the whole list."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt) : end - len(prompt)]
+        return prompt[start:] + self.output_token_ids[: end - len(prompt)]
+
+    def result(self) -> Result:
+        return Result.of(
+            self.request_id,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            self.finish_reason,
+            self.error,
+            self.metrics,
+        )

@@ -1,0 +1,134 @@
+"""Who computes what in the next step, under one token budget and a finite page pool.
+
+Running requests go first (decodes before prefill chunks, rotating the start so no request
+starves when the budget is short), then waiting requests are admitted FIFO on the pages their
+first chunk needs now — no reservation for their whole future. When a running request cannot
+get a page, the most recently admitted running request is preempted: its pages are freed and it
+goes back to the head of the queue to recompute its prompt and generated tokens later. The
+oldest request can always take the whole pool, so something always progresses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from qil_worker.engine.request import Request, RequestStatus
+from qil_worker.kv.page_pool import PagePool
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``request`` are computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last known token, so a new one is sampled."""
+        return self.end == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        token_budget: int,
+        prefill_chunk: int,
+        max_active: int,
+        on_pages_freed: Callable[[list[int]], None] = lambda pages: None,
+    ) -> None:
+        self.pool = pool
+        self.token_budget = token_budget
+        self.prefill_chunk = prefill_chunk
+        self.max_active = max_active
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._on_pages_freed = on_pages_freed
+        self._admissions = 0
+        self._rotation = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished, cancelled or failed) and free its pages."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._release_pages(request)
+        request.status = RequestStatus.FINISHED
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick this step's work; pages for every chosen token are allocated on return."""
+        budget = self.token_budget
+        chosen: dict[Request, ScheduledChunk] = {}
+        preempted_any = False
+        for request in self._running_order():
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            count = min(request.num_tokens - request.num_computed_tokens, self.prefill_chunk, budget)
+            while not request.page_table.grow(request.num_computed_tokens + count, self.pool):
+                victim = max(self.running, key=lambda r: r.admitted_seq)
+                preempted_any = True
+                undone = chosen.pop(victim, None)
+                if undone is not None:
+                    budget += undone.num_tokens
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                chosen[request] = ScheduledChunk(request, request.num_computed_tokens, count)
+                budget -= count
+        if not preempted_any:
+            budget = self._admit(chosen, budget)
+        return list(chosen.values())
+
+    def _running_order(self) -> list[Request]:
+        """Decodes first, prefill chunks after; the start rotates every step for fairness."""
+        if not self.running:
+            return []
+        k = self._rotation % len(self.running)
+        self._rotation += 1
+        rotated = self.running[k:] + self.running[:k]
+        return sorted(rotated, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+
+    def _admit(self, chosen: dict[Request, ScheduledChunk], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_active:
+            request = self.waiting[0]
+            count = min(request.num_tokens - request.num_computed_tokens, self.prefill_chunk, budget)
+            if not request.page_table.grow(request.num_computed_tokens + count, self.pool):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.admitted_seq = self._admissions
+            self._admissions += 1
+            self.running.append(request)
+            chosen[request] = ScheduledChunk(request, request.num_computed_tokens, count)
+            budget -= count
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release_pages(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.metrics.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release_pages(self, request: Request) -> None:
+        self._on_pages_freed(request.page_table.release(self.pool))

@@ -1,0 +1,66 @@
+"""Checks a request must pass before it is queued, each failing with the field it concerns."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+from qil_worker.config import Qwen3Config
+from qil_worker.errors import CapacityError, InvalidRequestError
+from qil_worker.kv.page_table import pages_for
+
+MAX_REQUEST_ID_LENGTH = 128
+
+
+def token_list(field: str, values: Sequence[int], vocab_size: int) -> list[int]:
+    """Integers in ``[0, vocab_size)`` as a plain list."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidRequestError(field, "expected a sequence of token ids, got a string")
+    try:
+        ids = [operator.index(v) for v in values]
+    except TypeError:
+        raise InvalidRequestError(field, "token ids must be integers") from None
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(t for t in ids if t < 0 or t >= vocab_size)
+        raise InvalidRequestError(field, f"token id {bad} is outside [0, {vocab_size})")
+    return ids
+
+
+def validate_submit(
+    token_ids: Sequence[int],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] | None,
+    request_id: str | None,
+    config: Qwen3Config,
+    num_pages: int,
+    page_size: int,
+) -> tuple[list[int], list[int]]:
+    """Return the prompt and stop ids as lists, or raise ``InvalidRequestError``/``CapacityError``."""
+    if request_id is not None and (
+        not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH
+    ):
+        raise InvalidRequestError(
+            "request_id", f"must be a non-empty string of at most {MAX_REQUEST_ID_LENGTH} characters"
+        )
+    prompt = token_list("token_ids", token_ids, config.vocab_size)
+    if not prompt:
+        raise InvalidRequestError("token_ids", "the prompt is empty")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {max_new_tokens!r}")
+    stops = token_list("stop_token_ids", stop_token_ids or [], config.vocab_size)
+    total = len(prompt) + max_new_tokens
+    if total > config.max_position_embeddings:
+        raise CapacityError(
+            "max_new_tokens",
+            f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+            f"model's {config.max_position_embeddings} positions",
+        )
+    # The last generated token is never fed back, so it needs no KV slot.
+    needed = pages_for(total - 1, page_size)
+    if needed > num_pages:
+        raise CapacityError(
+            "max_new_tokens",
+            f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) needs {needed} KV pages "
+            f"but the whole pool has {num_pages} (page size {page_size})",
+        )
+    return prompt, stops

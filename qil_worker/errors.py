@@ -1,0 +1,44 @@
+"""Exceptions a user can act on; the service maps each kind to one gRPC status code."""
+
+from __future__ import annotations
+
+
+class QilError(Exception):
+    """Base class of every error qil raises on purpose."""
+
+
+class ConfigError(QilError):
+    """The model's config.json describes something qil does not support."""
+
+
+class WeightError(QilError):
+    """A checkpoint's tensors do not match the config (missing, unknown or mis-shaped)."""
+
+
+class InvalidRequestError(QilError, ValueError):
+    """A request is malformed: bad token ids, impossible lengths, bad parameters.
+
+    ``field`` names the offending field so the service can report it.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class CapacityError(InvalidRequestError):
+    """A request can never fit: the whole KV pool or the model's positions are too small."""
+
+
+class UnknownRequestError(QilError, KeyError):
+    """No request with this id is known to the engine."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request with this id is still active."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__("request_id", f"a request with id {request_id!r} is still active")

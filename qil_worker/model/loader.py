@@ -1,0 +1,92 @@
+"""Strict SafeTensors loading: every expected tensor present, nothing unknown, shapes exact.
+
+All problems are collected first (from the shards' headers, without reading tensor data) and
+raised as one ``WeightError``. Tensors are then read one at a time, shard by shard, and copied
+(with dtype conversion) straight into the model's parameters, so at most one tensor exists twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from qil_worker.errors import WeightError
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TIED_HEAD = "lm_head.weight"
+
+
+def shard_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, or the single file."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise WeightError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = sorted({directory / name for name in weight_map.values()})
+        missing = [str(f.name) for f in files if not f.exists()]
+        if missing:
+            raise WeightError(f"{index}: shard file(s) listed but not found: {', '.join(missing)}")
+        return files
+    single = directory / SINGLE_FILE
+    if single.exists():
+        return [single]
+    raise WeightError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Tensor name → (file, shape) from the shards' headers; a name in two shards is an error."""
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name in found:
+                    raise WeightError(f"{name}: present in both {found[name][0].name} and {path.name}")
+                found[name] = (path, tuple(f.get_slice(name).get_shape()))
+    return found
+
+
+def check_weights(
+    targets: dict[str, torch.Tensor], found: dict[str, tuple[Path, tuple[int, ...]]], tied: bool
+) -> None:
+    """Raise one ``WeightError`` listing every missing, unknown and mis-shaped tensor."""
+    problems: list[str] = []
+    for name, target in targets.items():
+        if name not in found:
+            problems.append(f"missing: {name} (expected shape {tuple(target.shape)})")
+        elif found[name][1] != tuple(target.shape):
+            problems.append(
+                f"mis-shaped: {name} expected {tuple(target.shape)}, got {found[name][1]}"
+            )
+    for name in sorted(found):
+        if name not in targets and not (tied and name == TIED_HEAD):
+            problems.append(f"unknown: {name} (shape {found[name][1]})")
+    if problems:
+        raise WeightError(
+            f"checkpoint does not match the config ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Fill ``model``'s parameters from ``directory`` (see module docstring)."""
+    targets = model.weight_targets()
+    files = shard_files(directory)
+    found = read_headers(files)
+    check_weights(targets, found, tied=model.config.tie_word_embeddings)
+    with torch.no_grad():
+        for i, path in enumerate(files, 1):
+            log.info("loading weights: shard %d/%d (%s)", i, len(files), path.name)
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    target = targets.get(name)
+                    if target is not None:  # a tied checkpoint's own lm_head copy is ignored
+                        target.copy_(f.get_tensor(name))

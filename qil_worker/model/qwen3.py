@@ -1,0 +1,161 @@
+"""Our Qwen3 dense forward over a flat batch of tokens from many requests.
+
+One call computes every scheduled token of a step: tokens of different requests are
+concatenated, each with its absolute position and KV slot; attention keeps requests apart
+(see ``attention.py``). Logits are computed only for ``sample_indices``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qil_worker.config import Qwen3Config
+from qil_worker.kv.cache import KVCache
+from qil_worker.model.attention import AttentionMetadata, paged_attention
+from qil_worker.model.dtypes import resolve_device, resolve_dtype
+from qil_worker.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block and MLP block, each with a residual."""
+
+    def __init__(self, index: int, config: Qwen3Config, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        c = config
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.split = (q_size, kv_size, kv_size)
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.qkv = param(q_size + 2 * kv_size, c.hidden_size)  # q, k, v fused into one matmul
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
+        self.o_proj = param(c.hidden_size, q_size)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = F.linear(self.input_norm(x), self.qkv).split(self.split, dim=-1)
+        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
+        q, k = rope(q, k, positions)
+        kv.write(self.index, meta.slot_mapping, k, v.view(tokens, self.num_kv_heads, self.head_dim))
+        if kv.debug and self.index == 0:
+            for g in meta.groups:
+                kv.check_readable(g.key_slots, g.key_lengths)
+        attn = paged_attention(q, kv.k[self.index], kv.v[self.index], meta)
+        x = x + F.linear(attn, self.o_proj)
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class Qwen3(nn.Module):
+    """Qwen3 dense causal LM: embedding, decoder layers, final norm, tied or untied LM head."""
+
+    def __init__(self, config: Qwen3Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        device = torch.device(device)
+        self.embed = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(i, config, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                requires_grad=False,
+            )
+        )
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.max_position_embeddings, dtype, device
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @classmethod
+    def from_directory(
+        cls, path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | str | None = None
+    ) -> "Qwen3":
+        """Load a Hugging Face Qwen3 directory strictly (see ``loader.load_weights``).
+
+        ``device`` defaults to CPU; ``dtype`` to bfloat16 on CUDA and float32 elsewhere
+        (``"auto"`` takes the checkpoint's own dtype).
+        """
+        from qil_worker.model.loader import load_weights
+
+        config = Qwen3Config.from_directory(path)
+        device = resolve_device(device)
+        model = cls(config, device=device, dtype=resolve_dtype(dtype, device, config.torch_dtype))
+        load_weights(model, Path(path))
+        return model.eval()
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name → the (view of the) parameter it is loaded into."""
+        c = self.config
+        targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed.data, "model.norm.weight": self.norm.weight.data}
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = self.lm_head.data
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            qkv, gate_up = layer.qkv.data, layer.mlp.gate_up.data
+            targets.update(
+                {
+                    p + "input_layernorm.weight": layer.input_norm.weight.data,
+                    p + "post_attention_layernorm.weight": layer.post_attention_norm.weight.data,
+                    p + "self_attn.q_proj.weight": qkv[:q_size],
+                    p + "self_attn.k_proj.weight": qkv[q_size : q_size + kv_size],
+                    p + "self_attn.v_proj.weight": qkv[q_size + kv_size :],
+                    p + "self_attn.q_norm.weight": layer.q_norm.weight.data,
+                    p + "self_attn.k_norm.weight": layer.k_norm.weight.data,
+                    p + "self_attn.o_proj.weight": layer.o_proj.data,
+                    p + "mlp.gate_proj.weight": gate_up[: c.intermediate_size],
+                    p + "mlp.up_proj.weight": gate_up[c.intermediate_size :],
+                    p + "mlp.down_proj.weight": layer.mlp.down.data,
+                }
+            )
+        return targets
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        sample_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Compute all ``input_ids`` [T] and return logits [S, vocab] at ``sample_indices`` [S]."""
+        x = F.embedding(input_ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, positions, meta, kv, self.rope)
+        x = self.norm(x.index_select(0, sample_indices))
+        return F.linear(x, self.embed if self.lm_head is None else self.lm_head)

@@ -1,0 +1,55 @@
+"""Small random Qwen3 checkpoints written by transformers: the reference our tests compare to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_CONFIG: dict[str, Any] = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    eos_token_id=None,
+)
+
+
+def make_checkpoint(
+    path: Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+) -> Path:
+    """Save a random ``Qwen3ForCausalLM`` (float32) to ``path`` and return it.
+
+    ``max_shard_size`` (e.g. ``"20KB"``) makes transformers write several shards and an index.
+    Weights are re-drawn with a larger spread than the default init so that logits differ
+    clearly between tokens and greedy choices are not decided by rounding.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**{**TINY_CONFIG, **overrides})
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    return Path(path)
+
+
+def load_reference(path: Path, dtype: torch.dtype = torch.float32):
+    """The transformers model for a checkpoint directory, in eval mode."""
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).eval()

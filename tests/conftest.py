@@ -1,0 +1,29 @@
+"""Shared fixtures: small random Qwen3 checkpoints made once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import make_checkpoint  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """Tied head, GQA group of 2, single safetensors file."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_sharded_dir(tmp_path_factory) -> Path:
+    """Untied head, several shards with an index."""
+    return make_checkpoint(
+        tmp_path_factory.mktemp("sharded"), seed=1, tie_word_embeddings=False, max_shard_size="30KB"
+    )

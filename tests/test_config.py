@@ -1,0 +1,53 @@
+import json
+
+import pytest
+
+from qil_worker.config import Qwen3Config
+from qil_worker.errors import ConfigError
+
+
+def _raw(tiny_dir):
+    return json.loads((tiny_dir / "config.json").read_text())
+
+
+def test_reads_transformers_config(tiny_dir):
+    c = Qwen3Config.from_directory(tiny_dir)
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (64, 2, 4, 2)
+    assert c.head_dim == 16 and c.num_query_groups == 2
+    assert c.rope_theta == 10000.0 and c.tie_word_embeddings is True
+    assert c.eos_token_ids == ()
+
+
+def test_transformers_4_spelling_and_eos_list(tiny_dir):
+    raw = _raw(tiny_dir)
+    raw.pop("rope_parameters")
+    raw.update(rope_theta=1e6, rope_scaling=None, eos_token_id=[5, 7], torch_dtype="bfloat16")
+    c = Qwen3Config.from_dict(raw)
+    assert c.rope_theta == 1e6 and c.eos_token_ids == (5, 7) and c.torch_dtype == "bfloat16"
+    assert Qwen3Config.from_dict({**raw, "eos_token_id": 3}).eos_token_ids == (3,)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"model_type": "llama"}, "model_type"),
+        ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_parameters"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"eos_token_id": "x"}, "eos_token_id"),
+    ],
+)
+def test_rejects_unsupported(tiny_dir, change, field):
+    with pytest.raises(ConfigError, match=field):
+        Qwen3Config.from_dict({**_raw(tiny_dir), **change})
+
+
+def test_missing_or_broken_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        Qwen3Config.from_directory(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Qwen3Config.from_directory(tmp_path)

@@ -1,0 +1,104 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import load_reference, make_checkpoint
+from qil_worker import Qwen3
+from qil_worker.errors import ConfigError, WeightError
+
+
+def _copy_checkpoint(src, dst, mutate):
+    """Rewrite a single-file checkpoint with ``mutate(tensors)`` applied."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    mutate(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_loads_every_tensor(tiny_dir):
+    model = Qwen3.from_directory(tiny_dir)
+    ref = load_reference(tiny_dir).state_dict()
+    layer = model.layers[1]
+    assert torch.equal(model.embed, ref["model.embed_tokens.weight"])
+    assert torch.equal(layer.qkv[:64], ref["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(layer.qkv[96:], ref["model.layers.1.self_attn.v_proj.weight"])
+    assert torch.equal(layer.mlp.gate_up[96:], ref["model.layers.1.mlp.up_proj.weight"])
+    assert model.lm_head is None
+
+
+def test_sharded_untied(tiny_untied_sharded_dir):
+    index = json.loads((tiny_untied_sharded_dir / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "fixture should be sharded"
+    model = Qwen3.from_directory(tiny_untied_sharded_dir)
+    ref = load_reference(tiny_untied_sharded_dir).state_dict()
+    assert torch.equal(model.lm_head, ref["lm_head.weight"])
+    assert not torch.equal(model.lm_head, model.embed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "bfloat16"])
+def test_converts_dtype_while_loading(tiny_dir, dtype):
+    model = Qwen3.from_directory(tiny_dir, dtype=dtype)
+    want = torch.bfloat16 if dtype == "bfloat16" else dtype
+    assert all(p.dtype == want for p in model.parameters())
+    assert model.dtype == want
+
+
+def test_rejects_unknown_dtype(tiny_dir):
+    with pytest.raises(ConfigError, match="dtype"):
+        Qwen3.from_directory(tiny_dir, dtype="int8")
+
+
+def test_reports_every_problem_at_once(tiny_dir, tmp_path):
+    def mutate(t):
+        del t["model.layers.0.mlp.up_proj.weight"]
+        del t["model.norm.weight"]
+        t["model.layers.9.extra.weight"] = torch.zeros(3)
+        t["model.layers.1.self_attn.k_norm.weight"] = torch.zeros(17)
+
+    bad = _copy_checkpoint(tiny_dir, tmp_path / "bad", mutate)
+    with pytest.raises(WeightError) as info:
+        Qwen3.from_directory(bad)
+    msg = str(info.value)
+    assert "4 problem(s)" in msg
+    assert "missing: model.layers.0.mlp.up_proj.weight (expected shape (96, 64))" in msg
+    assert "missing: model.norm.weight" in msg
+    assert "unknown: model.layers.9.extra.weight" in msg
+    assert "mis-shaped: model.layers.1.self_attn.k_norm.weight expected (16,), got (17,)" in msg
+
+
+def test_untied_head_required_tied_head_optional(tiny_dir, tmp_path):
+    untied = make_checkpoint(tmp_path / "untied", seed=3, tie_word_embeddings=False)
+
+    def drop_head(t):
+        del t["lm_head.weight"]
+
+    bad = _copy_checkpoint(untied, tmp_path / "nohead", drop_head)
+    with pytest.raises(WeightError, match="missing: lm_head.weight"):
+        Qwen3.from_directory(bad)
+
+    def add_head(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    tied_with_copy = _copy_checkpoint(tiny_dir, tmp_path / "tiedcopy", add_head)
+    assert Qwen3.from_directory(tied_with_copy).lm_head is None
+
+
+def test_missing_files_and_shards(tiny_untied_sharded_dir, tmp_path):
+    with pytest.raises(WeightError, match="neither model.safetensors"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text(
+            (tiny_untied_sharded_dir / "config.json").read_text()
+        )
+        Qwen3.from_directory(tmp_path / "empty")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_untied_sharded_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    first_shard = sorted(broken.glob("model-*.safetensors"))[0]
+    first_shard.unlink()
+    with pytest.raises(WeightError, match="not found"):
+        Qwen3.from_directory(broken)
