@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import secrets
 import logging
 import time
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from qil_worker.engine.batch import build_step_batch
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
 from qil_worker.engine.request import Request
 from qil_worker.engine.sampler import Sampler
+from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.engine.scheduler import Scheduler
 from qil_worker.engine.validation import validate_submit
 from qil_worker.errors import DuplicateRequestError, UnknownRequestError
@@ -87,13 +89,24 @@ class Engine:
         max_new_tokens: int = 16,
         stop_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
+        sampling: SamplingParams | None = None,
+        **sampling_fields: object,
     ) -> str:
-        """Queue a request and return its id; invalid or impossible requests raise at once."""
+        """Queue a request and return its id; invalid or impossible requests raise at once.
+
+        Sampling is given as ``sampling=SamplingParams(...)`` or as its fields, e.g.
+        ``temperature=0.7, top_p=0.9, seed=1``; the default is greedy.
+        """
         self._check_open()
         prompt, stops = validate_submit(
             token_ids, max_new_tokens, stop_token_ids, request_id,
             self.model.config, self.pool.total, self.page_size,
         )
+        if sampling is None:
+            sampling = SamplingParams.from_kwargs(**sampling_fields)
+        elif sampling_fields:
+            raise TypeError("pass either sampling= or sampling fields, not both")
+        sampling.validate(max_new_tokens)
         existing = self._requests.get(request_id) if request_id is not None else None
         if existing is not None and not existing.finished:
             raise DuplicateRequestError(request_id)
@@ -105,9 +118,11 @@ class Engine:
             request_id=request_id,
             prompt_token_ids=prompt,
             max_new_tokens=max_new_tokens,
-            stop_token_ids=frozenset(stops) | self._eos_ids,
+            stop_token_ids=frozenset(stops) | (frozenset() if sampling.ignore_eos else self._eos_ids),
             page_table=PageTable(self.page_size),
             metrics=RequestMetrics(arrival_time=time.perf_counter()),
+            sampling=sampling,
+            seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
         )
         self._requests[request_id] = request  # replaces a finished request of the same id
         self.scheduler.add(request)
@@ -142,7 +157,7 @@ class Engine:
             logits = self.model(
                 batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices
             )
-            tokens = self.sampler.sample(logits)
+            sampled = self.sampler.sample(logits, [c.request for c in batch.sampled])
         except Exception as exc:  # the whole forward failed: fail its requests, keep serving
             log.exception("step failed for %d request(s)", len(chunks))
             for chunk in chunks:
@@ -151,11 +166,22 @@ class Engine:
         for chunk in batch.chunks:
             chunk.request.num_computed_tokens = chunk.end
         now = time.perf_counter()
-        for chunk, token in zip(batch.sampled, tokens):
-            events.append(self._accept_token(chunk.request, token, now))
+        for i, chunk in enumerate(batch.sampled):
+            events.append(
+                self._accept_token(
+                    chunk.request, sampled.tokens[i], now, sampled.logprobs[i], sampled.top_logprobs[i]
+                )
+            )
         return events
 
-    def _accept_token(self, request: Request, token: int, now: float) -> Event:
+    def _accept_token(
+        self,
+        request: Request,
+        token: int,
+        now: float,
+        logprob: float | None,
+        top_logprobs: list[tuple[int, float]] | None,
+    ) -> Event:
         try:
             request.output_token_ids.append(token)
             request.metrics.record_token(now)
@@ -164,10 +190,12 @@ class Engine:
                 reason = FinishReason.STOP
             elif len(request.output_token_ids) >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
-            if reason is None:
-                return Event(request.request_id, token, len(request.output_token_ids) - 1)
-            self._finish(request, reason)
-            return self._final_event(request, token_id=token)
+            index = len(request.output_token_ids) - 1
+            if reason is not None:
+                self._finish(request, reason)
+            return Event(
+                request.request_id, token, index, reason is not None, reason, None, logprob, top_logprobs
+            )
         except Exception as exc:  # a fault of this request only
             log.exception("request %s failed", request.request_id)
             return self._fail(request, f"{type(exc).__name__}: {exc}")
@@ -224,9 +252,10 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int = 16,
         stop_token_ids: Sequence[int] | None = None,
+        **sampling_fields: object,
     ) -> list[Result]:
         """Run a batch of prompts to completion and return their results in order."""
-        ids = [self.submit(p, max_new_tokens, stop_token_ids) for p in prompts]
+        ids = [self.submit(p, max_new_tokens, stop_token_ids, **sampling_fields) for p in prompts]
         while not all(self._requests[i].finished for i in ids):
             self.step()
         results = [self.result(i) for i in ids]

@@ -22,6 +22,8 @@ class Event:
     A token event has ``token_id`` and its ``index`` in the output. The final event of a request
     has ``finished=True`` and a ``finish_reason``; it carries the last token when the request
     ended by producing one, and ``token_id=None`` when it was cancelled or failed.
+    Log-probabilities are those of the distribution the token was drawn from: after penalties
+    and temperature, before top-k/top-p/min-p truncation.
     """
 
     request_id: str
@@ -30,6 +32,8 @@ class Event:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprob: float | None = None  # of ``token_id``, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # the N most likely (id, logprob)
 
 
 @dataclass

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from qil_worker.engine.outputs import FinishReason, RequestMetrics, Result
+from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.kv.page_table import PageTable
 
 
@@ -26,9 +27,11 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     max_new_tokens: int
-    stop_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]  # ids that end the request: its own, plus EOS unless ignored
     page_table: PageTable
     metrics: RequestMetrics
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0  # the sampling seed in force: the request's own, or one drawn at submit
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

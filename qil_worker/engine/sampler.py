@@ -1,14 +1,159 @@
-"""Choosing the next token of every sampled request from its logits, in one batched op.
+"""Choosing the next token of every sampled request: one batched tensor pipeline per step.
 
-Greedy for now; the sampling issue extends this module with per-request parameters.
+Order (as transformers' processors): penalties → min_new_tokens mask → temperature →
+[logprobs are read here] → top-k → top-p → min-p → draw. Requests with different settings share
+the batch; each stage runs only when some request in the step uses it.
+
+Draws use inverse-CDF sampling with one uniform number per request, derived by hashing the
+request's seed with the index of the token being drawn. That makes a seeded request's tokens
+independent of what else is in the batch and of preemption (a recompute draws the same number
+for the same index), and costs no per-request generator on the device.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+
 import torch
+
+from qil_worker.engine.request import Request
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[float | None]  # chosen token's log-probability, per request (None if not asked)
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def uniform_for(seed: int, index: int) -> float:
+    """A number in (0, 1) fixed by (seed, index): the request's draw for output token ``index``."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") + 0.5) / 2.0**64
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor) -> list[int]:
-        """``logits`` [S, vocab] → one token id per row. The step's only host sync is here."""
-        return logits.argmax(dim=-1).tolist()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
+        """``logits`` [S, vocab] (row i belongs to ``requests[i]``) → one token per request.
+
+        The step's only host synchronisation is the final ``tolist``.
+        """
+        params = [r.sampling for r in requests]
+        logits = logits.float()
+        if any(p.penalized for p in params):
+            logits = apply_penalties(logits, requests)
+        logits = mask_stops_before_min_tokens(logits, requests)
+        greedy = all(p.greedy for p in params)
+        if not greedy:
+            temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+            logits = logits / temps[:, None]
+        want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+        argmax = logits.argmax(dim=-1)
+        if greedy:
+            tokens = argmax
+        else:
+            if any(p.truncated for p in params):
+                logits = truncate(logits, params)
+            cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
+            u = torch.tensor(
+                [uniform_for(r.seed, len(r.output_token_ids)) for r in requests], device=logits.device
+            )
+            drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
+            drawn = drawn.clamp_max(logits.shape[1] - 1)
+            is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            tokens = torch.where(is_greedy, argmax, drawn)
+
+        if logprobs is None:
+            return SampleOutput(tokens.tolist(), [None] * len(requests), [None] * len(requests))
+        n_top = max(p.top_logprobs for p in params)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        top_values, top_ids = logprobs.topk(n_top, dim=-1) if n_top else (None, None)
+        tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
+        top_v = top_values.tolist() if n_top else None
+        top_i = top_ids.tolist() if n_top else None
+        out_lp: list[float | None] = []
+        out_top: list[list[tuple[int, float]] | None] = []
+        for i, p in enumerate(params):
+            out_lp.append(chosen_l[i] if (p.logprobs or p.top_logprobs) else None)
+            out_top.append(
+                list(zip(top_i[i][: p.top_logprobs], top_v[i][: p.top_logprobs])) if p.top_logprobs else None
+            )
+        return SampleOutput(tokens_l, out_lp, out_top)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition (prompt + output, transformers' rule) and presence/frequency (output only)."""
+    out_rows: list[int] = []
+    out_ids: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_ids: list[int] = []
+    for row, r in enumerate(requests):
+        if not r.sampling.penalized:
+            continue
+        out_rows.extend([row] * len(r.output_token_ids))
+        out_ids.extend(r.output_token_ids)
+        if r.sampling.repetition_penalty != 1.0:
+            prompt_rows.extend([row] * len(r.prompt_token_ids))
+            prompt_ids.extend(r.prompt_token_ids)
+    device = logits.device
+    counts = torch.zeros_like(logits)
+    if out_ids:
+        counts.index_put_(
+            (torch.tensor(out_rows, device=device), torch.tensor(out_ids, device=device)),
+            torch.ones(len(out_ids), device=device),
+            accumulate=True,
+        )
+    seen = counts > 0
+    if prompt_ids:
+        seen[torch.tensor(prompt_rows, device=device), torch.tensor(prompt_ids, device=device)] = True
+    params = [r.sampling for r in requests]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    penalized = torch.where(logits < 0, logits * rep, logits / rep)
+    logits = torch.where(seen, penalized, logits)
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+def mask_stops_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    rows: list[int] = []
+    ids: list[int] = []
+    for row, r in enumerate(requests):
+        if len(r.output_token_ids) < r.sampling.min_new_tokens and r.stop_token_ids:
+            rows.extend([row] * len(r.stop_token_ids))
+            ids.extend(r.stop_token_ids)
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)] = float("-inf")
+    return logits
+
+
+def truncate(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """top-k, then top-p, then min-p, each with transformers' semantics, per row."""
+    vocab = logits.shape[1]
+    device = logits.device
+    neg_inf = float("-inf")
+    if any(p.top_k > 0 for p in params):
+        k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        sorted_logits, order = logits.sort(dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= 1 - top_p
+        remove_sorted[:, -1] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(1, order, remove_sorted)
+        logits = logits.masked_fill(remove, neg_inf)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        probs = logits.softmax(dim=-1)
+        remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+        logits = logits.masked_fill(remove, neg_inf)
+    return logits

@@ -1,0 +1,101 @@
+"""Per-request sampling controls, validated once at submit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from qil_worker.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. The defaults give plain greedy decoding.
+
+    temperature: 0 means greedy (argmax, no noise); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (0 or -1: off). top_p: keep the smallest set whose
+    probability reaches p (1: off). min_p: drop tokens below min_p × the top token's probability.
+    repetition_penalty: divide positive / multiply negative logits of tokens already in the
+    prompt or output (1: off). presence_penalty / frequency_penalty: subtract a constant / a
+    per-occurrence amount from logits of tokens already generated (0: off).
+    seed: makes sampling reproducible whatever else is in the batch (None: a random seed).
+    min_new_tokens: EOS and stop ids are masked until this many tokens exist.
+    ignore_eos: the model's EOS ids do not stop the request (stop_token_ids still do).
+    logprobs: return the chosen token's log-probability; top_logprobs: and the N best (≤ 20).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequestError(unknown[0], "unknown sampling parameter")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def validate(self, max_new_tokens: int) -> None:
+        """Raise ``InvalidRequestError`` naming the first out-of-range field."""
+        _number("temperature", self.temperature, low=0.0)
+        _integer("top_k", self.top_k, low=-1)
+        _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _number("min_p", self.min_p, low=0.0, high=1.0)
+        _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _integer("seed", self.seed, low=0, high=2**64 - 1)
+        _integer("min_new_tokens", self.min_new_tokens, low=0, high=max_new_tokens)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError("ignore_eos", "must be a boolean")
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequestError("logprobs", "must be a boolean")
+        _integer("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
+
+
+def _number(
+    field: str, value: object, low: float, high: float | None = None, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(field, f"must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        bound = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}" + (
+            "]" if high is not None else ")"
+        )
+        raise InvalidRequestError(field, f"must be in {bound}, got {value!r}")
+
+
+def _integer(field: str, value: object, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(field, f"must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        raise InvalidRequestError(
+            field, f"must be in [{low}, {high if high is not None else 'inf'}], got {value}"
+        )
