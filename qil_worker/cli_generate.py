@@ -1,32 +1,43 @@
-"""``python -m qil_worker generate``: run prompts through the in-process engine and print them."""
+"""``python -m qil_worker generate``: one prompt through the in-process engine, streamed."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from qil_worker.errors import QilError
 
 
-def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="generate tokens in-process (no server)")
-    p.add_argument("--model", required=True, help="Qwen3 model directory (config.json + safetensors)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--token-ids", help="prompt as a JSON list of token ids, e.g. '[1,2,3]'")
-    src.add_argument("--prompt", help="prompt text, tokenized with the model directory's tokenizer")
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """The per-request generation flags, shared by every command that submits requests."""
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--stop-token-ids", default=None, help="JSON list of extra stop ids")
-    p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16, auto")
-    p.add_argument("--num-pages", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.set_defaults(run=run_generate)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-new-tokens", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", default=None)
 
 
-def _token_list(text: str, flag: str) -> list[int]:
+SAMPLING_FLAGS = (
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "min_new_tokens", "ignore_eos",
+)
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """Only the flags the user gave, so the engine's defaults apply to the rest."""
+    return {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+
+
+def parse_token_list(text: str, flag: str) -> list[int]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -36,43 +47,65 @@ def _token_list(text: str, flag: str) -> list[int]:
     return value
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-def _load_tokenizer(model_dir: str):
-    if not any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES):
-        raise SystemExit(f"--prompt: {model_dir} has no tokenizer files; pass --token-ids instead")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise SystemExit(
-            "--prompt needs a tokenizer: install the text extra (pip install 'qil[text]') "
-            "or pass --token-ids"
-        ) from None
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except Exception as exc:  # noqa: BLE001 - any loading problem is reported the same way
-        raise SystemExit(f"--prompt: could not load a tokenizer from {model_dir}: {exc}") from None
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate in-process (no server), streaming output")
+    p.add_argument("--model", required=True, help="Qwen3 model directory (config.json + safetensors)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--token-ids", help="prompt as a JSON list of token ids, e.g. '[1,2,3]'")
+    src.add_argument("--prompt", help="prompt text, tokenized with the model directory's tokenizer")
+    p.add_argument("--chat", action="store_true", help="send --prompt as a user chat message")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    add_sampling_arguments(p)
+    p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16, auto")
+    p.add_argument("--num-pages", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead")
+    p.set_defaults(run=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from qil_worker.engine import Engine
     from qil_worker.model import Qwen3
+    from qil_worker.text import load_tokenizer
+    from qil_worker.text.tokenizer import has_tokenizer_files
 
-    tokenizer = _load_tokenizer(args.model) if args.prompt is not None else None
-    prompt = (
-        tokenizer.encode(args.prompt) if tokenizer else _token_list(args.token_ids, "--token-ids")
-    )
-    stops = _token_list(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None
     try:
+        tokenizer_dir = args.tokenizer or args.model
+        tokenizer = None
+        if args.prompt is not None or args.stop or args.tokenizer:
+            tokenizer = load_tokenizer(tokenizer_dir)
+        elif has_tokenizer_files(tokenizer_dir):
+            tokenizer = load_tokenizer(tokenizer_dir)
         model = Qwen3.from_directory(args.model, device=args.device, dtype=args.dtype)
-        engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size)
-        (result,) = engine.generate([prompt], max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
+        engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, tokenizer=tokenizer)
+        prompt: dict[str, object]
+        if args.token_ids is not None:
+            prompt = {"token_ids": parse_token_list(args.token_ids, "--token-ids")}
+        elif args.chat:
+            prompt = {"messages": [{"role": "user", "content": args.prompt}]}
+        else:
+            prompt = {"text": args.prompt}
+        stops = parse_token_list(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None
+        rid = engine.submit(
+            **prompt, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
+            stop_strings=args.stop, **sampling_kwargs(args),
+        )
+        while not engine.idle:
+            for event in engine.step():
+                if args.json:
+                    continue
+                if event.text is not None:
+                    print(event.text, end="", flush=True)
+                elif event.token_id is not None:
+                    print(event.token_id, end=" ", flush=True)
+        result = engine.result(rid)
     except QilError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     metrics = {
         "finish_reason": result.finish_reason.value,
+        "stop_reason": result.stop_reason,
         "prompt_tokens": len(result.prompt_token_ids),
         "output_tokens": len(result.output_token_ids),
         "ttft_s": result.ttft,
@@ -80,18 +113,14 @@ def run_generate(args: argparse.Namespace) -> int:
         "mean_inter_token_latency_s": result.mean_inter_token_latency,
     }
     if args.json:
-        print(json.dumps({"output_token_ids": result.output_token_ids, **metrics}))
+        print(json.dumps({"output_token_ids": result.output_token_ids, "text": result.output_text, **metrics}))
         return 0
-    print("tokens:", result.output_token_ids)
-    if tokenizer is not None:
-        print("text:", tokenizer.decode(result.output_token_ids))
+    itl = metrics["mean_inter_token_latency_s"]
+    print()
+    print(f"tokens: {result.output_token_ids}")
     print(
-        "finish: {finish_reason}  prompt {prompt_tokens} / output {output_tokens} tokens  "
-        "TTFT {ttft_s:.3f}s  total {completion_time_s:.3f}s".format(**metrics)
-        + (
-            f"  ITL {metrics['mean_inter_token_latency_s'] * 1000:.1f}ms"
-            if metrics["mean_inter_token_latency_s"] is not None
-            else ""
-        )
+        f"finish: {metrics['finish_reason']}  prompt {metrics['prompt_tokens']} / output "
+        f"{metrics['output_tokens']} tokens  TTFT {result.ttft:.3f}s  total {result.completion_time:.3f}s"
+        + (f"  ITL {itl * 1000:.1f}ms" if itl is not None else "")
     )
     return 0

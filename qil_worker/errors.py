@@ -42,3 +42,7 @@ class DuplicateRequestError(InvalidRequestError):
 
     def __init__(self, request_id: str) -> None:
         super().__init__("request_id", f"a request with id {request_id!r} is still active")
+
+
+class TokenizerUnavailableError(QilError):
+    """Text was asked for but no tokenizer is loaded (FAILED_PRECONDITION over gRPC)."""

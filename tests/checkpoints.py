@@ -53,3 +53,48 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import Qwen3ForCausalLM
 
     return Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+QWEN_STYLE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+CORPUS = [
+    "hello world, qil serves qwen3 models over grpc.",
+    "the quick brown fox jumps over the lazy dog " * 3,
+    "héllo wörld — ünïcödé text, 中文字符, emoji 🙂🚀 and more",
+    "stop here STOP there. end of line\n",
+]
+
+
+def make_tokenizer(path: Path, vocab_size: int = 300):
+    """A small byte-level BPE (trained locally) with Qwen-style special tokens and chat template.
+
+    Byte-level, so characters outside its merges (CJK, emoji) span several tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = QWEN_STYLE_CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_text_checkpoint(path: Path, seed: int = 5) -> Path:
+    """A random checkpoint whose vocabulary is a local tokenizer's (EOS = <|im_end|>)."""
+    tokenizer = make_tokenizer(path)
+    make_checkpoint(path, seed=seed, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    return Path(path)

@@ -59,7 +59,7 @@ def test_generate_prompt_uses_the_directory_tokenizer(dir_with_tokenizer):
 
 def test_clear_errors(tiny_dir):
     proc = _run("--model", str(tiny_dir), "--prompt", "hi", check=False)
-    assert proc.returncode != 0 and "no tokenizer files" in proc.stderr
+    assert proc.returncode == 2 and "no tokenizer files" in proc.stderr
     proc = _run("--model", str(tiny_dir), "--token-ids", "[1, 500]", check=False)
     assert proc.returncode == 2 and "token id 500 is outside [0, 97)" in proc.stderr
     proc = _run("--model", str(tiny_dir), "--token-ids", "nope", check=False)

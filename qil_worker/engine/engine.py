@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,9 +19,16 @@ from qil_worker.engine.sampler import Sampler
 from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.engine.scheduler import Scheduler
 from qil_worker.engine.validation import validate_submit
-from qil_worker.errors import DuplicateRequestError, UnknownRequestError
+from qil_worker.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    TokenizerUnavailableError,
+    UnknownRequestError,
+)
 from qil_worker.kv import KVCache, PagePool, PageTable
 from qil_worker.model import Qwen3
+from qil_worker.text.output import TextOutput
+from qil_worker.text.prompt import encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,7 @@ class Engine:
         prefill_chunk: int = 512,
         max_active: int = 64,
         debug: bool = False,
+        tokenizer: Any = None,
     ) -> None:
         for name, value in (
             ("num_pages", num_pages),
@@ -65,6 +74,7 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         c = model.config
         self.model = model
+        self.tokenizer = tokenizer  # optional: text prompts, text deltas, stop strings
         self.page_size = page_size
         self.pool = PagePool(num_pages)
         self.kv = KVCache(
@@ -85,19 +95,38 @@ class Engine:
 
     def submit(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | None = None,
         max_new_tokens: int = 16,
         stop_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
         sampling: SamplingParams | None = None,
+        *,
+        text: str | None = None,
+        messages: Sequence[dict[str, str]] | None = None,
+        enable_thinking: bool | None = None,
+        stop_strings: Sequence[str] | None = None,
+        include_stop_string: bool = False,
+        skip_special_tokens: bool = True,
         **sampling_fields: object,
     ) -> str:
         """Queue a request and return its id; invalid or impossible requests raise at once.
 
-        Sampling is given as ``sampling=SamplingParams(...)`` or as its fields, e.g.
-        ``temperature=0.7, top_p=0.9, seed=1``; the default is greedy.
+        The prompt is ``token_ids``, or ``text`` / chat ``messages`` when the engine has a
+        tokenizer. Sampling is given as ``sampling=SamplingParams(...)`` or as its fields, e.g.
+        ``temperature=0.7, top_p=0.9, seed=1``; the default is greedy. With a tokenizer, events
+        carry text deltas and ``stop_strings`` end the request when the text contains one.
         """
         self._check_open()
+        if text is not None or messages is not None:
+            if token_ids is not None:
+                raise InvalidRequestError("prompt", "give token ids, text or messages, not several")
+            token_ids = encode_prompt(self.tokenizer, text, messages, enable_thinking)
+        if stop_strings and self.tokenizer is None:
+            raise TokenizerUnavailableError("stop strings need a tokenizer; this engine has none")
+        if stop_strings is not None and (
+            isinstance(stop_strings, str) or not all(isinstance(x, str) and x for x in stop_strings)
+        ):
+            raise InvalidRequestError("stop_strings", "must be a list of non-empty strings")
         prompt, stops = validate_submit(
             token_ids, max_new_tokens, stop_token_ids, request_id,
             self.model.config, self.pool.total, self.page_size,
@@ -123,6 +152,9 @@ class Engine:
             metrics=RequestMetrics(arrival_time=time.perf_counter()),
             sampling=sampling,
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
+            text=None
+            if self.tokenizer is None
+            else TextOutput(self.tokenizer, stop_strings or (), include_stop_string, skip_special_tokens),
         )
         self._requests[request_id] = request  # replaces a finished request of the same id
         self.scheduler.add(request)
@@ -185,16 +217,22 @@ class Engine:
         try:
             request.output_token_ids.append(token)
             request.metrics.record_token(now)
+            text = request.text.push(token) if request.text is not None else None
             reason = None
             if token in request.stop_token_ids:
-                reason = FinishReason.STOP
+                reason, request.stop_reason = FinishReason.STOP, token
+            elif request.text is not None and request.text.matched_stop is not None:
+                reason, request.stop_reason = FinishReason.STOP, request.text.matched_stop
             elif len(request.output_token_ids) >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
             index = len(request.output_token_ids) - 1
             if reason is not None:
                 self._finish(request, reason)
+                if request.text is not None:
+                    text += request.text.finish()
             return Event(
-                request.request_id, token, index, reason is not None, reason, None, logprob, top_logprobs
+                request.request_id, token, index, reason is not None, reason, None, logprob,
+                top_logprobs, text, request.stop_reason,
             )
         except Exception as exc:  # a fault of this request only
             log.exception("request %s failed", request.request_id)
@@ -212,8 +250,12 @@ class Engine:
 
     @staticmethod
     def _final_event(request: Request, token_id: int | None) -> Event:
-        index = len(request.output_token_ids) - (1 if token_id is not None else 0)
-        return Event(request.request_id, token_id, index, True, request.finish_reason, request.error)
+        """The closing event of a request that ended without producing a token."""
+        text = request.text.finish() if request.text is not None else None
+        return Event(
+            request.request_id, token_id, len(request.output_token_ids), True,
+            request.finish_reason, request.error, text=text,
+        )
 
     # -- state and results -------------------------------------------------------------------
 

@@ -34,6 +34,8 @@ class Event:
     error: str | None = None
     logprob: float | None = None  # of ``token_id``, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # the N most likely (id, logprob)
+    text: str | None = None  # new text (whole characters) when the engine has a tokenizer
+    stop_reason: int | str | None = None  # on a STOP final event: the token id or stop string
 
 
 @dataclass
@@ -72,6 +74,8 @@ class Result:
     max_inter_token_latency: float | None
     num_preemptions: int = 0
     finished: bool = field(default=False)
+    output_text: str | None = None
+    stop_reason: int | str | None = None
 
     @classmethod
     def of(
@@ -82,6 +86,8 @@ class Result:
         finish_reason: FinishReason | None,
         error: str | None,
         m: RequestMetrics,
+        output_text: str | None = None,
+        stop_reason: int | str | None = None,
     ) -> "Result":
         def since_arrival(t: float | None) -> float | None:
             return None if t is None else t - m.arrival_time
@@ -102,4 +108,6 @@ class Result:
             max_inter_token_latency=m.max_inter_token_latency if len(output) > 1 else None,
             num_preemptions=m.num_preemptions,
             finished=finish_reason is not None,
+            output_text=output_text,
+            stop_reason=stop_reason,
         )

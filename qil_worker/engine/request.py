@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from qil_worker.engine.outputs import FinishReason, RequestMetrics, Result
 from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.kv.page_table import PageTable
+from qil_worker.text.output import TextOutput
 
 
 class RequestStatus(enum.Enum):
@@ -36,7 +37,9 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     admitted_seq: int = -1  # admission order: the most recent one is preempted first
+    text: TextOutput | None = None  # streamed text, when the engine has a tokenizer
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
 
     @property
@@ -64,4 +67,6 @@ class Request:
             self.finish_reason,
             self.error,
             self.metrics,
+            output_text=self.text.text if self.text is not None else None,
+            stop_reason=self.stop_reason,
         )

@@ -1,0 +1,113 @@
+"""Text in and out: prompts and chat templates, incremental detokenization, stop strings."""
+
+import pytest
+
+from checkpoints import make_text_checkpoint
+from engine_helpers import run_to_completion
+from qil_worker import Engine, FinishReason, InvalidRequestError, Qwen3
+from qil_worker.errors import TokenizerUnavailableError
+from qil_worker.text import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+
+SAMPLE = "héllo wörld 中文字符 🙂🚀 — fin"
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    return make_text_checkpoint(tmp_path_factory.mktemp("text"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(text_dir):
+    return load_tokenizer(text_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(text_dir, tokenizer):
+    return Engine(Qwen3.from_directory(text_dir), num_pages=64, page_size=8, tokenizer=tokenizer)
+
+
+def test_multibyte_characters_split_across_tokens_come_out_whole(tokenizer):
+    ids = tokenizer.encode(SAMPLE, add_special_tokens=False)
+    assert len(ids) > len(SAMPLE) // 2, "expected several tokens per non-ASCII character"
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push(t) for t in ids] + [detok.finish()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == SAMPLE
+    assert any(d == "" for d in deltas), "some token should have ended mid-character"
+
+
+def test_stop_string_matcher_across_deltas_and_hold_back():
+    m = StopStringMatcher(["STOP", "xyz"])
+    assert m.feed("abc S") == "abc "  # "S" could start STOP: held back
+    assert m.feed("T") == ""
+    assert m.feed("Oq") == "STOq"  # not a stop after all: released
+    assert m.feed("ST") == ""
+    assert m.feed("OP and more") == "" and m.matched == "STOP"
+    assert m.flush() == ""
+    inc = StopStringMatcher(["STOP"], include_stop_string=True)
+    assert inc.feed("go ST") + inc.feed("OP!") == "go STOP" and inc.matched == "STOP"
+    plain = StopStringMatcher(["zz"])
+    assert plain.feed("abz") == "ab" and plain.flush() == "z"
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_streamed_text_equals_decode_of_output_ids(engine, tokenizer, skip_special):
+    rid = engine.submit(text="hello world", max_new_tokens=40, temperature=1.0, seed=3,
+                        ignore_eos=True, skip_special_tokens=skip_special)
+    events = run_to_completion(engine)
+    res = engine.result(rid)
+    streamed = "".join(e.text for e in events if e.request_id == rid)
+    assert streamed == tokenizer.decode(res.output_token_ids, skip_special_tokens=skip_special,
+                                        clean_up_tokenization_spaces=False)
+    assert streamed == res.output_text
+    assert res.prompt_token_ids == tokenizer.encode("hello world", add_special_tokens=False)
+
+
+def test_stop_string_spanning_a_token_boundary(engine, tokenizer):
+    base = dict(text="the quick", max_new_tokens=30, temperature=1.0, seed=11, ignore_eos=True)
+    full_id = engine.submit(**base)
+    run_to_completion(engine)
+    full = engine.result(full_id)
+    pieces = [tokenizer.decode([t]) for t in full.output_token_ids]
+    # a stop string made of the last character of one token's text and the first of the next
+    i = next(i for i in range(3, len(pieces) - 1)
+             if pieces[i] and pieces[i + 1] and "\ufffd" not in pieces[i] + pieces[i + 1])
+    stop = pieces[i][-1] + pieces[i + 1][0]
+    for include in (False, True):
+        rid = engine.submit(**base, stop_strings=[stop, "never-seen"], include_stop_string=include)
+        events = run_to_completion(engine)
+        res = engine.result(rid)
+        assert res.finish_reason is FinishReason.STOP and res.stop_reason == stop
+        assert res.output_token_ids == full.output_token_ids[: len(res.output_token_ids)]
+        expected = full.output_text[: full.output_text.find(stop) + (len(stop) if include else 0)]
+        assert res.output_text == expected
+        assert "".join(e.text for e in events if e.request_id == rid) == expected
+
+
+def test_chat_messages_use_the_template(engine, tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    for thinking in (None, False):
+        rid = engine.submit(messages=messages, max_new_tokens=3, enable_thinking=thinking)
+        kwargs = {} if thinking is None else {"enable_thinking": thinking}
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert engine.result(rid).prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+        assert ("<think>" in rendered) == (thinking is False)
+    run_to_completion(engine)
+
+
+def test_text_errors(engine, text_dir):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.submit(messages=[{"role": "robot", "content": "x"}])
+    assert info.value.field == "messages[0]"
+    with pytest.raises(InvalidRequestError):
+        engine.submit([1, 2], text="both")
+    with pytest.raises(InvalidRequestError) as info:
+        engine.submit([1, 2], stop_strings="STOP")
+    assert info.value.field == "stop_strings"
+    bare = Engine(Qwen3.from_directory(text_dir), num_pages=8, page_size=8)
+    with pytest.raises(TokenizerUnavailableError):
+        bare.submit(text="hello")
+    with pytest.raises(TokenizerUnavailableError):
+        bare.submit([1, 2], stop_strings=["x"])
+    with pytest.raises(TokenizerUnavailableError, match="no tokenizer files"):
+        load_tokenizer(text_dir / "nonexistent")
