@@ -64,8 +64,10 @@ def paged_attention(
             .permute(0, 2, 1, 3, 4)
             .reshape(b, num_kv_heads, qm * groups_per_kv, head_dim)
         )
-        keys = k_cache[g.key_slots].transpose(1, 2)  # [b, Hkv, l_max, D]
-        values = v_cache[g.key_slots].transpose(1, 2)
+        slots = g.key_slots.view(-1)
+        l_max = g.key_slots.shape[1]
+        keys = k_cache.index_select(0, slots).view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, slots).view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=g.mask)
         out = (
             out.view(b, num_kv_heads, qm, groups_per_kv, head_dim)

@@ -17,7 +17,7 @@ from qil_worker.config import Qwen3Config
 from qil_worker.kv.cache import KVCache
 from qil_worker.model.attention import AttentionMetadata, paged_attention
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
-from qil_worker.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from qil_worker.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
 class DecoderLayer(nn.Module):
@@ -49,16 +49,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv: KVCache,
-        rope: RotaryEmbedding,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = F.linear(self.input_norm(x), self.qkv).split(self.split, dim=-1)
         q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
-        q, k = rope(q, k, positions)
+        q, k = apply_rope(q, k, *rope)
         kv.write(self.index, meta.slot_mapping, k, v.view(tokens, self.num_kv_heads, self.head_dim))
         if kv.debug and self.index == 0:
             for g in meta.groups:
@@ -155,7 +154,8 @@ class Qwen3(nn.Module):
     ) -> torch.Tensor:
         """Compute all ``input_ids`` [T] and return logits [S, vocab] at ``sample_indices`` [S]."""
         x = F.embedding(input_ids, self.embed)
+        rope = self.rope.lookup(positions)
         for layer in self.layers:
-            x = layer(x, positions, meta, kv, self.rope)
+            x = layer(x, rope, meta, kv)
         x = self.norm(x.index_select(0, sample_indices))
         return F.linear(x, self.embed if self.lm_head is None else self.lm_head)
