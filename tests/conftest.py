@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import make_checkpoint  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where qil's model runs in the engine tests: ``QIL_TEST_DEVICE`` (default cpu).
+
+    The transformers reference always runs on the CPU in float32.
+    """
+    return os.environ.get("QIL_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ from qil_worker import Engine, FinishReason, Qwen3
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dir):
-    return Qwen3.from_directory(tiny_dir)
+def model(tiny_dir, device):
+    return Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_requests_submitted_between_steps_join_the_batch(model, ref):
     assert engine.result(second).output_token_ids == reference_greedy(ref, [9, 8], 6)
 
 
-def test_stop_ids_and_model_eos(model, ref, tiny_dir):
+def test_stop_ids_and_model_eos(model, ref, tiny_dir, device):
     prompt = [3, 1, 4, 1, 5]
     full = reference_greedy(ref, prompt, 10)
     stop = full[4]
@@ -89,7 +89,7 @@ def test_stop_ids_and_model_eos(model, ref, tiny_dir):
     assert res.output_token_ids == full[: full.index(stop) + 1]
     assert res.finish_reason is FinishReason.STOP
 
-    eos_model = Qwen3.from_directory(tiny_dir)
+    eos_model = Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
     object.__setattr__(eos_model.config, "eos_token_ids", (full[2],))
     (res,) = Engine(eos_model, num_pages=32, page_size=8).generate([prompt], max_new_tokens=10)
     assert res.output_token_ids == full[: full.index(full[2]) + 1]

@@ -18,8 +18,8 @@ from qil_worker import (
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dir):
-    return Qwen3.from_directory(tiny_dir)
+def model(tiny_dir, device):
+    return Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
 
 
 @pytest.fixture(scope="module")

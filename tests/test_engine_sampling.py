@@ -13,8 +13,8 @@ SAMPLED = dict(temperature=0.9, top_p=0.95, top_k=40, repetition_penalty=1.1, se
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dir):
-    return Qwen3.from_directory(tiny_dir)
+def model(tiny_dir, device):
+    return Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
 
 
 def _noise_prompts(n, seed):
@@ -71,12 +71,12 @@ def test_logprobs_equal_log_softmax_of_reference_logits(model, tiny_dir):
         assert [v for _, v in e.top_logprobs] == pytest.approx(want[i, top_ids].tolist(), abs=1e-4)
 
 
-def test_min_new_tokens_and_ignore_eos(model, tiny_dir):
+def test_min_new_tokens_and_ignore_eos(model, tiny_dir, device):
     ref = load_reference(tiny_dir)
     prompt = [3, 1, 4, 1, 5]
     full = reference_greedy(ref, prompt, 10)
     j = next(i for i in range(1, 10) if full[i] not in full[:i])  # first fresh token after 0
-    eos_model = Qwen3.from_directory(tiny_dir)
+    eos_model = Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
     object.__setattr__(eos_model.config, "eos_token_ids", (full[j],))
     engine = Engine(eos_model, num_pages=32, page_size=8)
     (stopped,) = engine.generate([prompt], max_new_tokens=10)

@@ -12,19 +12,19 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module", params=[(4, 4, True, None), (4, 2, False, "30KB"), (8, 2, True, None)],
                 ids=["mha-tied", "gqa2-untied-sharded", "gqa4-tied"])
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, device):
     heads, kv_heads, tied, shard = request.param
     path = make_checkpoint(
         tmp_path_factory.mktemp("logits"), seed=heads + kv_heads,
         num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
         max_shard_size=shard,
     )
-    return Qwen3.from_directory(path), load_reference(path)
+    return Qwen3.from_directory(path, device=device, dtype="float32"), load_reference(path)
 
 
-def _reference_logits(ref, ids):
+def _reference_logits(ref, ids, device="cpu"):
     with torch.no_grad():
-        return ref(torch.tensor([ids])).logits[0]
+        return ref(torch.tensor([ids])).logits[0].to(device)
 
 
 def _prompt(n, seed):
@@ -37,7 +37,7 @@ def test_full_prefill(pair):
     ids = _prompt(45, 1)
     probe = ForwardProbe(model, num_pages=32, page_size=8)
     (got,) = probe.forward([(probe.sequence(ids), len(ids))])
-    torch.testing.assert_close(got, _reference_logits(ref, ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, _reference_logits(ref, ids, got.device), atol=ATOL, rtol=0)
 
 
 def test_token_by_token(pair):
@@ -46,10 +46,10 @@ def test_token_by_token(pair):
     probe = ForwardProbe(model, num_pages=32, page_size=4)
     seq = probe.sequence(ids)
     got = torch.cat([probe.forward([(seq, 1)])[0] for _ in ids])
-    torch.testing.assert_close(got, _reference_logits(ref, ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, _reference_logits(ref, ids, got.device), atol=ATOL, rtol=0)
 
 
-def test_irregular_chunks_of_several_sequences_in_one_batch(pair):
+def test_irregular_chunks_of_several_sequences_in_one_batch(pair, device):
     """Three sequences advance together with different chunk sizes each step."""
     model, ref = pair
     prompts = [_prompt(30, 3), _prompt(17, 4), _prompt(1, 5)]
@@ -63,19 +63,19 @@ def test_irregular_chunks_of_several_sequences_in_one_batch(pair):
         for (i, _), out in zip(pieces, outs):
             got[i].append(out)
     for i, ids in enumerate(prompts):
-        torch.testing.assert_close(torch.cat(got[i]), _reference_logits(ref, ids), atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.cat(got[i]), _reference_logits(ref, ids, device), atol=ATOL, rtol=0)
     for seq in seqs:
         probe.release(seq)
     assert probe.pool.num_free == probe.pool.total
 
 
-def test_bfloat16_close_to_reference(tmp_path):
+def test_bfloat16_close_to_reference(tmp_path, device):
     path = make_checkpoint(tmp_path, seed=9)
-    model = Qwen3.from_directory(path, dtype=torch.bfloat16)
+    model = Qwen3.from_directory(path, device=device, dtype=torch.bfloat16)
     ref = load_reference(path, dtype=torch.bfloat16)
     ids = _prompt(24, 6)
     probe = ForwardProbe(model, num_pages=16, page_size=8)
     (got,) = probe.forward([(probe.sequence(ids), len(ids))])
-    want = _reference_logits(ref, ids).float()
+    want = _reference_logits(ref, ids, device).float()
     # bf16 keeps ~3 significant digits; both sides round differently along 2 layers.
     assert (got - want).abs().max() < 0.05 * want.abs().max()
