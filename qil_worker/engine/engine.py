@@ -25,7 +25,7 @@ from qil_worker.errors import (
     TokenizerUnavailableError,
     UnknownRequestError,
 )
-from qil_worker.kv import KVCache, PagePool, PageTable
+from qil_worker.kv import KVCache, PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.model import Qwen3
 from qil_worker.text.output import TextOutput
 from qil_worker.text.prompt import encode_prompt
@@ -44,6 +44,8 @@ class EngineStats:
     max_active: int
     num_running: int
     num_waiting: int
+    num_pages_cached: int = 0  # idle pages kept for their prefix (counted as free)
+    prefix_cache_hit_rate: float = 0.0  # cached / all prompt tokens of admitted requests
 
 
 class Engine:
@@ -62,6 +64,7 @@ class Engine:
         max_active: int = 64,
         debug: bool = False,
         tokenizer: Any = None,
+        prefix_cache: bool = True,
     ) -> None:
         for name, value in (
             ("num_pages", num_pages),
@@ -76,13 +79,14 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer  # optional: text prompts, text deltas, stop strings
         self.page_size = page_size
-        self.pool = PagePool(num_pages)
         self.kv = KVCache(
             c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
             model.dtype, model.device, debug=debug,
         )
+        self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
+        self.prefix_cache = PrefixCache(self.pool, page_size) if prefix_cache else None
         self.scheduler = Scheduler(
-            self.pool, token_budget, prefill_chunk, max_active, on_pages_freed=self.kv.forget_pages
+            self.pool, token_budget, prefill_chunk, max_active, prefix_cache=self.prefix_cache
         )
         self.sampler = Sampler()
         self._eos_ids = frozenset(c.eos_token_ids)
@@ -151,6 +155,7 @@ class Engine:
             page_table=PageTable(self.page_size),
             metrics=RequestMetrics(arrival_time=time.perf_counter()),
             sampling=sampling,
+            page_hashes=page_hashes(prompt, self.page_size) if self.prefix_cache is not None else [],
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
             text=None
             if self.tokenizer is None
@@ -195,8 +200,7 @@ class Engine:
             for chunk in chunks:
                 events.append(self._fail(chunk.request, f"step failed: {type(exc).__name__}: {exc}"))
             return events
-        for chunk in batch.chunks:
-            chunk.request.num_computed_tokens = chunk.end
+        self.scheduler.commit(batch.chunks)
         now = time.perf_counter()
         for i, chunk in enumerate(batch.sampled):
             events.append(
@@ -287,6 +291,8 @@ class Engine:
             max_active=s.max_active,
             num_running=len(s.running),
             num_waiting=len(s.waiting),
+            num_pages_cached=self.pool.num_idle_cached,
+            prefix_cache_hit_rate=self.prefix_cache.hit_rate if self.prefix_cache is not None else 0.0,
         )
 
     def generate(

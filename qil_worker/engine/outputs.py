@@ -74,6 +74,7 @@ class Result:
     max_inter_token_latency: float | None
     num_preemptions: int = 0
     finished: bool = field(default=False)
+    num_cached_tokens: int = 0
     output_text: str | None = None
     stop_reason: int | str | None = None
 
@@ -86,6 +87,7 @@ class Result:
         finish_reason: FinishReason | None,
         error: str | None,
         m: RequestMetrics,
+        num_cached_tokens: int = 0,
         output_text: str | None = None,
         stop_reason: int | str | None = None,
     ) -> "Result":
@@ -108,6 +110,7 @@ class Result:
             max_inter_token_latency=m.max_inter_token_latency if len(output) > 1 else None,
             num_preemptions=m.num_preemptions,
             finished=finish_reason is not None,
+            num_cached_tokens=num_cached_tokens,
             output_text=output_text,
             stop_reason=stop_reason,
         )

@@ -25,11 +25,11 @@ class ForwardProbe:
         c = model.config
         self.model = model
         self.page_size = page_size
-        self.pool = PagePool(num_pages)
         self.kv = KVCache(
             c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
             model.dtype, model.device, debug=True,
         )
+        self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
 
     def sequence(self, token_ids: Sequence[int]) -> Request:
         """A sequence whose tokens are all known up front; compute it with ``forward``."""
@@ -64,4 +64,4 @@ class ForwardProbe:
         return [by_chunk[id(c)] for c in chunks]
 
     def release(self, seq: Request) -> None:
-        self.kv.forget_pages(seq.page_table.release(self.pool))
+        seq.page_table.release(self.pool)

@@ -35,6 +35,8 @@ class Request:
     seed: int = 0  # the sampling seed in force: the request's own, or one drawn at submit
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    page_hashes: list[int] = field(default_factory=list)  # chained hashes of full prompt pages
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     status: RequestStatus = RequestStatus.WAITING
     admitted_seq: int = -1  # admission order: the most recent one is preempted first
     text: TextOutput | None = None  # streamed text, when the engine has a tokenizer
@@ -67,6 +69,7 @@ class Request:
             self.finish_reason,
             self.error,
             self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
             output_text=self.text.text if self.text is not None else None,
             stop_reason=self.stop_reason,
         )

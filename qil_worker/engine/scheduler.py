@@ -11,11 +11,11 @@ oldest request can always take the whole pool, so something always progresses.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from qil_worker.engine.request import Request, RequestStatus
 from qil_worker.kv.page_pool import PagePool
+from qil_worker.kv.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Scheduler:
         token_budget: int,
         prefill_chunk: int,
         max_active: int,
-        on_pages_freed: Callable[[list[int]], None] = lambda pages: None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.pool = pool
         self.token_budget = token_budget
@@ -51,7 +51,7 @@ class Scheduler:
         self.max_active = max_active
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._on_pages_freed = on_pages_freed
+        self.prefix_cache = prefix_cache
         self._admissions = 0
         self._rotation = 0
 
@@ -107,12 +107,35 @@ class Scheduler:
         rotated = self.running[k:] + self.running[:k]
         return sorted(rotated, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
 
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
+        """After the forward: the chunks' tokens are in the KV cache; index full prompt pages."""
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            if self.prefix_cache is None or not request.page_hashes:
+                continue
+            size = self.prefix_cache.page_size
+            prompt = request.prompt_token_ids
+            first = min(chunk.start, len(prompt)) // size
+            last = min(chunk.end, len(prompt)) // size
+            for i in range(first, last):
+                self.prefix_cache.insert(
+                    request.page_hashes[i], prompt[i * size : (i + 1) * size], request.page_table.pages[i]
+                )
+
     def _admit(self, chosen: dict[Request, ScheduledChunk], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_active:
             request = self.waiting[0]
+            cached = self._reuse_cached_prefix(request)
             count = min(request.num_tokens - request.num_computed_tokens, self.prefill_chunk, budget)
             if not request.page_table.grow(request.num_computed_tokens + count, self.pool):
+                if cached:
+                    self._release_pages(request)
+                    request.num_computed_tokens = 0
                 break
+            if self.prefix_cache is not None:
+                self.prefix_cache.record(len(request.prompt_token_ids), cached)
+            request.num_cached_tokens = cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.admitted_seq = self._admissions
@@ -121,6 +144,19 @@ class Scheduler:
             chosen[request] = ScheduledChunk(request, request.num_computed_tokens, count)
             budget -= count
         return budget
+
+    def _reuse_cached_prefix(self, request: Request) -> int:
+        """Start a queued request after its longest cached prefix; the cached token count."""
+        if self.prefix_cache is None or request.num_computed_tokens or not request.page_hashes:
+            return 0
+        size = self.prefix_cache.page_size
+        # the last known token is always computed, so that it yields logits to sample from
+        pages = self.prefix_cache.match(
+            request.prompt_token_ids, request.page_hashes, (request.num_tokens - 1) // size
+        )
+        request.page_table.pages = pages
+        request.num_computed_tokens = len(pages) * size
+        return request.num_computed_tokens
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -131,4 +167,4 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release_pages(self, request: Request) -> None:
-        self._on_pages_freed(request.page_table.release(self.pool))
+        request.page_table.release(self.pool)

@@ -1,38 +1,80 @@
-"""The explicit pool of KV pages: a free list, nothing guessed from device memory."""
+"""The explicit pool of KV pages: reference counts, a free list, nothing guessed from memory.
+
+A page is *used* while some request holds it (reference count > 0). When the last holder lets
+go it becomes *free* — or, if the prefix cache still indexes its contents, *idle*: reusable by
+a later request with the same prefix, and evicted least-recently-used when the free list runs
+dry. Idle pages count as available.
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
+
 
 class PagePool:
-    """Hands out page ids and takes them back; freed pages are reused first."""
-
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, on_reuse: Callable[[list[int]], None] = lambda pages: None) -> None:
+        """``on_reuse`` sees every page handed out with contents its new owner must not read."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.total = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._is_free = [True] * num_pages
+        self._refs = [0] * num_pages
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached, unheld; oldest first
+        self._cached = [False] * num_pages
+        self._on_reuse = on_reuse
+        self.on_evict: Callable[[int], None] = lambda page: None  # set by the prefix cache
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages that can be handed out now (free, or idle in the prefix cache)."""
+        return len(self._free) + len(self._idle)
 
     @property
     def num_used(self) -> int:
-        return self.total - len(self._free)
+        return self.total - self.num_free
+
+    @property
+    def num_idle_cached(self) -> int:
+        return len(self._idle)
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
 
     def allocate(self, count: int) -> list[int] | None:
-        """``count`` pages, or ``None`` (taking nothing) when fewer are free."""
-        if count > len(self._free):
+        """``count`` fresh pages, or ``None`` (taking nothing) when fewer are available."""
+        if count > self.num_free:
             return None
-        pages = [self._free.pop() for _ in range(count)]
+        pages = [self._free.pop() for _ in range(min(count, len(self._free)))]
+        while len(pages) < count:
+            page, _ = self._idle.popitem(last=False)
+            self._cached[page] = False
+            self.on_evict(page)
+            pages.append(page)
         for page in pages:
-            self._is_free[page] = False
+            self._refs[page] = 1
+        self._on_reuse(pages)
         return pages
 
+    def retain(self, page: int) -> None:
+        """One more holder of a page (a prefix-cache hit); an idle page becomes used again."""
+        if self._refs[page] == 0:
+            if page not in self._idle:
+                raise RuntimeError(f"page {page} is free, not cached: it cannot be shared")
+            del self._idle[page]
+        self._refs[page] += 1
+
+    def mark_cached(self, page: int, cached: bool = True) -> None:
+        self._cached[page] = cached
+
     def free(self, pages: list[int]) -> None:
+        """One holder fewer for each page; unheld pages go idle (if cached) or free."""
         for page in pages:
-            if self._is_free[page]:
+            if self._refs[page] <= 0:
                 raise RuntimeError(f"page {page} freed twice")
-            self._is_free[page] = True
-            self._free.append(page)
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if self._cached[page]:
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)

@@ -1,0 +1,75 @@
+"""Sharing full pages of prompt tokens between requests.
+
+Page ``i`` of a prompt is named by a chained hash: hash(name of page ``i-1``, its tokens), so
+one name stands for the whole prefix up to that page. A hit is confirmed by comparing the
+stored tokens (a hash collision cannot hand out wrong KV). Only full pages of the prompt are
+shared, never the last partial one, so shared pages are never written again. Pages nobody
+holds stay indexed (idle in the pool) until the pool evicts them, least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from qil_worker.kv.page_pool import PagePool
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
+    """Chained hashes of every full page of ``token_ids``."""
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = hash((parent, tuple(token_ids[start : start + page_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool, page_size: int) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self._by_hash: dict[int, int] = {}
+        self._page_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # page → (hash, tokens)
+        pool.on_evict = self._forget
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._page_key)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def match(self, token_ids: Sequence[int], hashes: Sequence[int], max_pages: int) -> list[int]:
+        """Hold and return the cached pages of the longest cached prefix (at most ``max_pages``)."""
+        pages: list[int] = []
+        for i, h in enumerate(hashes[:max_pages]):
+            page = self._by_hash.get(h)
+            if page is None:
+                break
+            tokens = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
+            if self._page_key[page][1] != tokens:  # a hash collision: not our prefix
+                break
+            pages.append(page)
+        for page in pages:
+            self.pool.retain(page)
+        return pages
+
+    def record(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """Count one admitted request for the hit rate."""
+        self.queried_tokens += prompt_tokens
+        self.hit_tokens += hit_tokens
+
+    def insert(self, page_hash: int, tokens: Sequence[int], page: int) -> None:
+        """Index a page whose KV now holds ``tokens`` (a full page of some prompt)."""
+        if page_hash in self._by_hash or page in self._page_key:
+            return  # the same prefix was computed twice at once; keep the first
+        self._by_hash[page_hash] = page
+        self._page_key[page] = (page_hash, tuple(tokens))
+        self.pool.mark_cached(page)
+
+    def _forget(self, page: int) -> None:
+        page_hash, _ = self._page_key.pop(page)
+        del self._by_hash[page_hash]

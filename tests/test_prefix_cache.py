@@ -1,0 +1,112 @@
+"""Prefix caching: shared prompt pages, identical outputs, no corruption or leak under churn."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from engine_helpers import assert_pool_free, run_to_completion
+from qil_worker import Engine, FinishReason, Qwen3
+from qil_worker.kv import PagePool, PrefixCache, page_hashes
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir, device):
+    return Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
+
+
+def test_hashes_chain_the_whole_prefix():
+    a = page_hashes([1, 2, 3, 4, 5, 6, 7], 2)
+    b = page_hashes([9, 2, 3, 4, 5, 6], 2)
+    assert len(a) == 3 and len(b) == 3
+    assert a[1] != b[1] and a[2] != b[2], "same page tokens after a different prefix must differ"
+    assert page_hashes([1, 2, 3, 4], 2) == a[:2]
+
+
+def test_cache_hits_collisions_and_lru_eviction():
+    pool = PagePool(3)
+    cache = PrefixCache(pool, page_size=2)
+    (p0,) = pool.allocate(1)
+    cache.insert(111, [1, 2], p0)
+    pool.free([p0])
+    assert pool.num_free == 3 and pool.num_idle_cached == 1
+    assert cache.match([1, 2, 3], [111], max_pages=1) == [p0] and pool.refs(p0) == 1
+    pool.free([p0])
+    assert cache.match([5, 6], [111], max_pages=1) == [], "tokens must be compared on a hit"
+    assert cache.match([1, 2], [111], max_pages=0) == []
+    others = pool.allocate(2)  # the free pages go first ...
+    assert p0 not in others and cache.num_cached_pages == 1
+    assert pool.allocate(1) == [p0]  # ... then the idle cached page is evicted
+    assert cache.num_cached_pages == 0 and cache.match([1, 2], [111], 1) == []
+
+
+def _shared_prompts(rng, n, prefix_len=37):
+    prefix = [rng.randrange(97) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(97) for _ in range(rng.randint(0, 12))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_p=0.9, seed=5)], ids=["greedy", "seeded"])
+def test_outputs_identical_with_and_without_cache(model, sampling):
+    prompts = _shared_prompts(random.Random(3), 6)
+    plain = Engine(model, num_pages=96, page_size=4, prefix_cache=False).generate(prompts, 10, **sampling)
+    cached_engine = Engine(model, num_pages=96, page_size=4, debug=True)
+    first = cached_engine.generate(prompts[:1], 10, **sampling)
+    rest = cached_engine.generate(prompts[1:], 10, **sampling)
+    assert [r.output_token_ids for r in first + rest] == [r.output_token_ids for r in plain]
+    assert first[0].num_cached_tokens == 0
+    assert all(r.num_cached_tokens == 36 for r in rest)  # 9 full pages of the 37-token prefix
+    stats = cached_engine.stats()
+    assert stats.prefix_cache_hit_rate > 0.5 and stats.num_pages_cached > 0
+    assert_pool_free(cached_engine)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(model):
+    prompt = list(range(16))
+    engine = Engine(model, num_pages=32, page_size=4, debug=True)
+    (a,) = engine.generate([prompt], 5)
+    (b,) = engine.generate([prompt], 5)
+    assert b.output_token_ids == a.output_token_ids and b.num_cached_tokens == 12
+
+
+def _check_pool(engine):
+    holders = Counter(p for r in engine.scheduler.running for p in r.page_table.pages)
+    pool = engine.pool
+    for page in range(pool.total):
+        assert pool.refs(page) == holders.get(page, 0), f"page {page} refcount"
+    assert pool.num_used == len(holders)
+    assert all(not r.page_table.pages for r in engine.scheduler.waiting)
+
+
+def test_random_sharing_preemption_cancel_and_eviction(model):
+    rng = random.Random(99)
+    prefixes = [[rng.randrange(97) for _ in range(rng.randint(4, 30))] for _ in range(4)]
+    engine = Engine(model, num_pages=24, page_size=4, token_budget=20, prefill_chunk=7, max_active=6, debug=True)
+    reference = Engine(model, num_pages=64, page_size=4, prefix_cache=False)
+    expected, submitted, live = {}, {}, set()
+    for step in range(500):
+        if step < 350 and rng.random() < 0.35:
+            prompt = rng.choice(prefixes) + [rng.randrange(97) for _ in range(rng.randint(0, 6))]
+            n = rng.randint(1, 12)
+            rid = engine.submit(prompt, max_new_tokens=n)
+            submitted[rid] = (prompt, n)
+            live.add(rid)
+        if live and rng.random() < 0.07:
+            engine.cancel(rng.choice(sorted(live)))
+        for e in engine.step():
+            if e.finished:
+                live.discard(e.request_id)
+        _check_pool(engine)
+    run_to_completion(engine)
+    assert not live
+    assert_pool_free(engine)
+    finished = [rid for rid in submitted if engine.result(rid).finish_reason is FinishReason.LENGTH]
+    for rid in finished:
+        prompt, n = submitted[rid]
+        key = (tuple(prompt), n)
+        if key not in expected:
+            expected[key] = reference.generate([prompt], n)[0].output_token_ids
+        assert engine.result(rid).output_token_ids == expected[key], rid
+    results = [engine.result(r) for r in submitted]
+    assert any(r.num_cached_tokens for r in results), "prefixes were meant to be shared"
+    assert any(r.num_preemptions for r in results), "the pool was meant to force preemption"
+    assert engine.stats().num_pages_cached > 0
