@@ -1,0 +1,92 @@
+"""Sizing the KV page pool from a memory budget instead of an explicit page count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qil_worker.model import Qwen3
+
+
+def bytes_per_page(model: Qwen3, page_size: int) -> int:
+    """K and V of ``page_size`` tokens in every layer."""
+    c = model.config
+    element = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * c.num_hidden_layers * page_size * c.num_key_value_heads * c.head_dim * element
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    num_pages: int
+    page_size: int
+    page_bytes: int
+    reason: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def summary(self) -> str:
+        return (
+            f"KV pool: {self.num_pages} pages x {self.page_size} tokens = {self.num_tokens} tokens, "
+            f"{self.total_bytes / 2**20:.1f} MiB ({self.reason})"
+        )
+
+
+def size_pool(
+    model: Qwen3,
+    page_size: int,
+    num_pages: int | None = None,
+    memory_bytes: int | None = None,
+    memory_fraction: float | None = None,
+    warmup_tokens: int = 512,
+) -> PoolSize:
+    """Choose the number of pages: explicit, a byte budget, or a fraction of free CUDA memory.
+
+    For a fraction, one forward of ``warmup_tokens`` tokens runs first on a throwaway pool so
+    the activation peak of the largest step is already taken when free memory is read.
+    """
+    page_bytes = bytes_per_page(model, page_size)
+    if sum(x is not None for x in (num_pages, memory_bytes, memory_fraction)) != 1:
+        raise ValueError("give exactly one of num_pages, memory_bytes or memory_fraction")
+    if num_pages is not None:
+        return PoolSize(num_pages, page_size, page_bytes, "explicit page count")
+    if memory_bytes is not None:
+        if memory_bytes < page_bytes:
+            raise ValueError(f"kv memory budget {memory_bytes} B is below one page ({page_bytes} B)")
+        return PoolSize(
+            memory_bytes // page_bytes, page_size, page_bytes, f"budget of {memory_bytes / 2**20:.1f} MiB"
+        )
+    assert memory_fraction is not None
+    if not 0.0 < memory_fraction < 1.0:
+        raise ValueError(f"kv memory fraction must be in (0, 1), got {memory_fraction}")
+    if model.device.type != "cuda":
+        raise ValueError("a kv memory fraction needs a CUDA device; give a byte budget instead")
+    _warm_up(model, page_size, warmup_tokens)
+    free, total = torch.cuda.mem_get_info(model.device)
+    budget = int(free * memory_fraction)
+    if budget < page_bytes:
+        raise ValueError(f"{memory_fraction:.0%} of free device memory is less than one KV page")
+    return PoolSize(
+        budget // page_bytes, page_size, page_bytes,
+        f"{memory_fraction:.0%} of {free / 2**30:.2f} GiB free after weights and a "
+        f"{warmup_tokens}-token warm-up (device total {total / 2**30:.2f} GiB)",
+    )
+
+
+def _warm_up(model: Qwen3, page_size: int, tokens: int) -> None:
+    from qil_worker.engine.engine import Engine
+
+    tokens = max(2, min(tokens, model.config.max_position_embeddings - 1))
+    engine = Engine(model, num_pages=-(-tokens // page_size), page_size=page_size,
+                    token_budget=tokens, prefill_chunk=tokens, prefix_cache=False)
+    engine.generate([[0] * (tokens - 1)], max_new_tokens=1)
+    engine.close()
+    del engine
+    torch.cuda.synchronize(model.device)
+    torch.cuda.empty_cache()
