@@ -14,6 +14,7 @@ import torch
 
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.model.attention import AttentionGroup, AttentionMetadata
+from qil_worker.model.varlen import VarlenMetadata
 
 
 @dataclass
@@ -27,9 +28,16 @@ class StepBatch:
 
 
 def build_step_batch(
-    chunks: list[ScheduledChunk], page_size: int, query_groups: int, device: torch.device
+    chunks: list[ScheduledChunk],
+    page_size: int,
+    query_groups: int,
+    device: torch.device,
+    varlen: bool = False,
 ) -> StepBatch:
-    """``query_groups``: query heads per KV head (the GQA fold of the attention mask)."""
+    """``query_groups``: query heads per KV head (the GQA fold of the attention mask).
+
+    ``varlen``: describe attention for the CUDA paged kernel instead of padded SDPA groups.
+    """
     singles = [c for c in chunks if c.num_tokens == 1]
     multis = [c for c in chunks if c.num_tokens > 1]
     ordered = singles + multis
@@ -58,7 +66,7 @@ def build_step_batch(
 
     groups: list[AttentionGroup] = []
     start = 0
-    for members, first_row in ((singles, 0), (multis, len(singles))):
+    for members, first_row in (() if varlen else ((singles, 0), (multis, len(singles)))):
         if not members:
             continue
         groups.append(
@@ -69,10 +77,32 @@ def build_step_batch(
     return StepBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
         positions=positions_t,
-        attention=AttentionMetadata(slot_mapping=slot_mapping, groups=groups),
+        attention=AttentionMetadata(
+            slot_mapping=slot_mapping,
+            groups=groups,
+            varlen=_varlen_metadata(ordered, tables, device) if varlen else None,
+            page_size=page_size,
+        ),
         sample_indices=torch.tensor(sample_indices, dtype=torch.long).to(device, non_blocking=True),
         sampled=sampled,
         chunks=ordered,
+    )
+
+
+def _varlen_metadata(
+    ordered: list[ScheduledChunk], tables: torch.Tensor, device: torch.device
+) -> VarlenMetadata:
+    q_lens = [c.num_tokens for c in ordered]
+    k_lens = [c.end for c in ordered]
+    offsets = torch.tensor([[0] + q_lens, [0] + k_lens], dtype=torch.int32).cumsum(1, dtype=torch.int32)
+    offsets = offsets.to(device, non_blocking=True)
+    return VarlenMetadata(
+        cu_seq_q=offsets[0],
+        cu_seq_k=offsets[1],
+        seq_used_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
+        block_table=tables.to(torch.int32),
+        max_q=max(q_lens),
+        max_k=max(k_lens),
     )
 
 

@@ -27,6 +27,7 @@ from qil_worker.errors import (
 )
 from qil_worker.kv import KVCache, PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.model import Qwen3
+from qil_worker.model.varlen import probe_varlen
 from qil_worker.text.output import TextOutput
 from qil_worker.text.prompt import encode_prompt
 
@@ -89,6 +90,12 @@ class Engine:
             self.pool, token_budget, prefill_chunk, max_active, prefix_cache=self.prefix_cache
         )
         self.sampler = Sampler()
+        why_not = probe_varlen(
+            model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        )
+        self.attention_backend = "sdpa" if why_not else "varlen"
+        if why_not and model.device.type == "cuda":
+            log.info("attention: gather + SDPA (paged varlen flash attention unavailable: %s)", why_not)
         self._eos_ids = frozenset(c.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._pending: list[Event] = []  # final events of cancels, emitted by the next step
@@ -189,7 +196,8 @@ class Engine:
                 chunk.request.metrics.first_scheduled_time = now
         try:
             batch = build_step_batch(
-                chunks, self.page_size, self.model.config.num_query_groups, self.model.device
+                chunks, self.page_size, self.model.config.num_query_groups, self.model.device,
+                varlen=self.attention_backend == "varlen",
             )
             logits = self.model(
                 batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices

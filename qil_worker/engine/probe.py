@@ -21,10 +21,11 @@ from qil_worker.model import Qwen3
 
 
 class ForwardProbe:
-    def __init__(self, model: Qwen3, num_pages: int = 256, page_size: int = 16) -> None:
+    def __init__(self, model: Qwen3, num_pages: int = 256, page_size: int = 16, varlen: bool = False) -> None:
         c = model.config
         self.model = model
         self.page_size = page_size
+        self.varlen = varlen  # use the CUDA paged flash-attention path
         self.kv = KVCache(
             c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
             model.dtype, model.device, debug=True,
@@ -53,7 +54,8 @@ class ForwardProbe:
                 raise RuntimeError("probe page pool exhausted")
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
         batch = build_step_batch(
-            chunks, self.page_size, self.model.config.num_query_groups, self.model.device
+            chunks, self.page_size, self.model.config.num_query_groups, self.model.device,
+            varlen=self.varlen,
         )
         total = sum(c.num_tokens for c in batch.chunks)
         every = torch.arange(total, device=self.model.device)

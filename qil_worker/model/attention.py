@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qil_worker.model.varlen import VarlenMetadata, varlen_paged_attention
+
 
 @dataclass
 class AttentionGroup:
@@ -38,16 +40,23 @@ class AttentionGroup:
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step, shared by all layers."""
+    """Everything attention needs for one step, shared by all layers.
+
+    Either ``groups`` (portable gather + SDPA) or ``varlen`` (CUDA paged flash attention).
+    """
 
     slot_mapping: torch.Tensor  # [T] where each token's K/V are written
     groups: list[AttentionGroup]
+    varlen: VarlenMetadata | None = None
+    page_size: int = 0
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
     """``q`` [T, Hq, D]; caches [slots, Hkv, D] already holding this step's keys → [T, Hq*D]."""
+    if meta.varlen is not None:
+        return varlen_paged_attention(q, k_cache, v_cache, meta.varlen, meta.page_size)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     groups_per_kv = num_heads // num_kv_heads
