@@ -6,17 +6,13 @@ import argparse
 import sys
 
 from qil_worker.cli_generate import add_generate_parser
+from qil_worker.service.cli import add_serve_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qil_worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    try:
-        from qil_worker.service.cli import add_serve_parser
-    except ImportError:  # pragma: no cover - the service package is part of qil; guard only
-        add_serve_parser = None
-    if add_serve_parser is not None:
-        add_serve_parser(sub)
+    add_serve_parser(sub)
     add_generate_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)

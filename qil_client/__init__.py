@@ -1,0 +1,30 @@
+"""Client library of the qil gRPC service (qil.v1.Inference). Does not need torch.
+
+    from qil_client import Client
+    with Client("127.0.0.1:50051") as client:
+        result = client.generate([1, 2, 3], max_new_tokens=8)
+"""
+
+from qil_client._channel import TLS
+from qil_client._proto.qil.v1 import inference_pb2 as pb
+from qil_client.aio import AsyncClient, AsyncSession
+from qil_client.client import Client, Session
+from qil_client.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    QilError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from qil_client.results import Metrics, Result
+
+__all__ = [
+    "AlreadyExists", "AsyncClient", "AsyncSession", "Cancelled", "Client", "DeadlineExceeded",
+    "Internal", "InvalidArgument", "Metrics", "NotFound", "QilError", "ResourceExhausted", "Result",
+    "Session", "TLS", "Unauthenticated", "Unavailable", "pb",
+]

@@ -1,0 +1,156 @@
+"""asyncio client of qil.v1.Inference (same surface as ``qil_client.Client``, awaitable)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Sequence
+
+import grpc
+
+from qil_client._channel import TLS, auth_metadata, channel_options, credentials, resolve_target
+from qil_client._proto.qil.v1 import inference_pb2 as pb
+from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
+from qil_client.errors import QilError, error_for, from_rpc_error
+from qil_client.results import Result, ResultBuilder, submit_request
+
+_HALF_CLOSE = object()
+
+
+class AsyncSession:
+    """A StreamEvents call (see ``qil_client.client.Session``)."""
+
+    def __init__(self, stub: pb_grpc.InferenceStub, metadata, timeout: float | None) -> None:
+        self._frames: asyncio.Queue = asyncio.Queue()
+        self._call = stub.StreamEvents(self._frame_iter(), metadata=metadata, timeout=timeout)
+
+    async def _frame_iter(self):
+        while True:
+            frame = await self._frames.get()
+            if frame is _HALF_CLOSE:
+                return
+            yield frame
+
+    def submit(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+               stop_token_ids: Sequence[int] = (), request_id: str = "") -> None:
+        self._frames.put_nowait(pb.StreamEventsRequest(
+            submit=submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)))
+
+    def cancel(self, *request_ids: str) -> None:
+        self._frames.put_nowait(pb.StreamEventsRequest(cancel=pb.CancelRequest(request_ids=list(request_ids))))
+
+    def subscribe(self, request_id: str, from_seq: int = 0) -> None:
+        self._frames.put_nowait(pb.StreamEventsRequest(
+            subscribe=pb.Subscribe(request_id=request_id, from_seq=from_seq)))
+
+    def close(self) -> None:
+        self._frames.put_nowait(_HALF_CLOSE)
+
+    def abort(self) -> None:
+        self._call.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[pb.StreamEventsResponse]:
+        try:
+            async for resp in self._call:
+                yield resp
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+
+class AsyncClient:
+    def __init__(self, target: str | Sequence[str], token: str | None = None,
+                 tls: bool | TLS | None = None, timeout: float | None = None) -> None:
+        grpc_target, rr = resolve_target(target)
+        opts = channel_options(rr, tls if isinstance(tls, TLS) else None)
+        creds = credentials(tls)
+        self._channel = (grpc.aio.secure_channel(grpc_target, creds, options=opts) if creds
+                         else grpc.aio.insecure_channel(grpc_target, options=opts))
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._md = auth_metadata(token)
+        self._timeout = timeout
+
+    def _t(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self._timeout
+
+    async def _unary(self, method, request, timeout):
+        try:
+            return await method(request, metadata=self._md, timeout=self._t(timeout))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def submit(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+                     stop_token_ids: Sequence[int] = (), request_id: str = "",
+                     timeout: float | None = None) -> str:
+        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)
+        return (await self._unary(self._stub.Submit, req, timeout)).request_id
+
+    async def cancel(self, *request_ids: str, timeout: float | None = None) -> dict[str, bool]:
+        resp = await self._unary(self._stub.Cancel, pb.CancelRequest(request_ids=list(request_ids)), timeout)
+        return {r.request_id: r.was_active for r in resp.results}
+
+    async def info(self, timeout: float | None = None) -> pb.GetInfoResponse:
+        return await self._unary(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
+
+    async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def stream(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+                     stop_token_ids: Sequence[int] = (), request_id: str = "",
+                     timeout: float | None = None) -> AsyncIterator[pb.Event]:
+        """Generate: events as tokens come; leaving the loop early cancels the request."""
+        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)
+        call = self._stub.Generate(req, metadata=self._md, timeout=self._t(timeout))
+        try:
+            async for ev in call:
+                yield ev
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+                       stop_token_ids: Sequence[int] = (), request_id: str = "",
+                       timeout: float | None = None) -> Result:
+        builder = ResultBuilder(request_id)
+        async for ev in self.stream(token_ids, max_new_tokens, stop_token_ids, request_id, timeout):
+            builder.add(ev)
+        return builder.result()
+
+    async def events(self, request_id: str, from_seq: int = 0,
+                     timeout: float | None = None) -> AsyncIterator[pb.Event]:
+        session = AsyncSession(self._stub, self._md, self._t(timeout))
+        session.subscribe(request_id, from_seq)
+        session.close()
+        async for resp in session:
+            kind = resp.WhichOneof("frame")
+            if kind == "event":
+                yield resp.event
+            elif kind == "error":
+                raise error_for(resp.error.code, resp.error.message, resp.error.field)
+
+    async def result(self, request_id: str, timeout: float | None = None) -> Result:
+        builder = ResultBuilder(request_id)
+        async for ev in self.events(request_id, timeout=timeout):
+            builder.add(ev)
+        return builder.result()
+
+    def session(self, timeout: float | None = None) -> AsyncSession:
+        return AsyncSession(self._stub, self._md, self._t(timeout))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+__all__ = ["AsyncClient", "AsyncSession", "QilError"]

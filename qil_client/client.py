@@ -1,0 +1,193 @@
+"""Synchronous client of qil.v1.Inference."""
+
+from __future__ import annotations
+
+import queue
+from typing import Iterator, Sequence
+
+import grpc
+
+from qil_client._channel import TLS, auth_metadata, channel_options, credentials, resolve_target
+from qil_client._proto.qil.v1 import inference_pb2 as pb
+from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
+from qil_client.errors import QilError, from_rpc_error
+from qil_client.results import Result, ResultBuilder, submit_request
+
+_HALF_CLOSE = object()
+
+
+class Session:
+    """A StreamEvents call: send frames any time, iterate over the server's answers and events.
+
+    ``close()`` half-closes: the server ends the stream after the session's last request ends.
+    ``abort()`` breaks the stream: the server cancels the requests submitted on it.
+    """
+
+    def __init__(self, stub: pb_grpc.InferenceStub, metadata, timeout: float | None) -> None:
+        self._frames: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = stub.StreamEvents(self._frame_iter(), metadata=metadata, timeout=timeout)
+
+    def _frame_iter(self) -> Iterator[pb.StreamEventsRequest]:
+        while True:
+            frame = self._frames.get()
+            if frame is _HALF_CLOSE:
+                return
+            yield frame
+
+    def submit(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+               stop_token_ids: Sequence[int] = (), request_id: str = "") -> None:
+        self._frames.put(pb.StreamEventsRequest(
+            submit=submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)))
+
+    def cancel(self, *request_ids: str) -> None:
+        self._frames.put(pb.StreamEventsRequest(cancel=pb.CancelRequest(request_ids=list(request_ids))))
+
+    def subscribe(self, request_id: str, from_seq: int = 0) -> None:
+        self._frames.put(pb.StreamEventsRequest(
+            subscribe=pb.Subscribe(request_id=request_id, from_seq=from_seq)))
+
+    def close(self) -> None:
+        self._frames.put(_HALF_CLOSE)
+
+    def abort(self) -> None:
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[pb.StreamEventsResponse]:
+        try:
+            yield from self._call
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
+
+
+class Client:
+    """``Client("127.0.0.1:50051")``, ``Client(["10.0.0.1:50051", "10.0.0.2:50051"])`` or
+    ``Client("dns:///qil.internal:50051")`` (several addresses: round_robin).
+
+    ``token``: bearer token for servers started with --auth-token. ``tls``: True (system roots)
+    or a ``TLS``. Every failure raises a ``qil_client.errors.QilError`` subclass.
+    """
+
+    def __init__(self, target: str | Sequence[str], token: str | None = None,
+                 tls: bool | TLS | None = None, timeout: float | None = None) -> None:
+        grpc_target, rr = resolve_target(target)
+        opts = channel_options(rr, tls if isinstance(tls, TLS) else None)
+        creds = credentials(tls)
+        self._channel = (grpc.secure_channel(grpc_target, creds, options=opts) if creds
+                         else grpc.insecure_channel(grpc_target, options=opts))
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._md = auth_metadata(token)
+        self._timeout = timeout
+
+    # -- unary
+    def submit(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+               stop_token_ids: Sequence[int] = (), request_id: str = "",
+               timeout: float | None = None) -> str:
+        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)
+        return self._unary(self._stub.Submit, req, timeout).request_id
+
+    def cancel(self, *request_ids: str, timeout: float | None = None) -> dict[str, bool]:
+        resp = self._unary(self._stub.Cancel, pb.CancelRequest(request_ids=list(request_ids)), timeout)
+        return {r.request_id: r.was_active for r in resp.results}
+
+    def info(self, timeout: float | None = None) -> pb.GetInfoResponse:
+        return self._unary(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
+
+    def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        """"SERVING", "NOT_SERVING", ... of grpc.health.v1 (no token needed)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the server reports SERVING."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health(timeout=max(0.1, min(2.0, deadline - time.monotonic()))) == "SERVING":
+                    return
+            except QilError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server not SERVING in time")
+            time.sleep(0.1)
+
+    # -- streaming
+    def stream(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+               stop_token_ids: Sequence[int] = (), request_id: str = "",
+               timeout: float | None = None) -> Iterator[pb.Event]:
+        """Generate: yield events as tokens come. Closing the iterator early cancels the request."""
+        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)
+        call = self._stub.Generate(req, metadata=self._md, timeout=self._t(timeout))
+        return self._iterate(call)
+
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+                 stop_token_ids: Sequence[int] = (), request_id: str = "",
+                 timeout: float | None = None) -> Result:
+        builder = ResultBuilder(request_id)
+        for ev in self.stream(token_ids, max_new_tokens, stop_token_ids, request_id, timeout):
+            builder.add(ev)
+        return builder.result()
+
+    def events(self, request_id: str, from_seq: int = 0, timeout: float | None = None) -> Iterator[pb.Event]:
+        """The events of a request submitted earlier (replayed from ``from_seq``), to its end."""
+        session = Session(self._stub, self._md, self._t(timeout))
+        session.subscribe(request_id, from_seq)
+        session.close()
+        for resp in session:
+            kind = resp.WhichOneof("frame")
+            if kind == "event":
+                yield resp.event
+            elif kind == "error":
+                from qil_client.errors import error_for
+
+                raise error_for(resp.error.code, resp.error.message, resp.error.field)
+
+    def result(self, request_id: str, timeout: float | None = None) -> Result:
+        builder = ResultBuilder(request_id)
+        for ev in self.events(request_id, timeout=timeout):
+            builder.add(ev)
+        return builder.result()
+
+    def session(self, timeout: float | None = None) -> Session:
+        return Session(self._stub, self._md, self._t(timeout))
+
+    # -- plumbing
+    def _t(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self._timeout
+
+    def _unary(self, method, request, timeout):
+        try:
+            return method(request, metadata=self._md, timeout=self._t(timeout))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    @staticmethod
+    def _iterate(call) -> Iterator[pb.Event]:
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()  # no-op when the call already ended
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

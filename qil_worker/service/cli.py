@@ -1,0 +1,119 @@
+"""``python -m qil_worker serve``: the lead's ``__main__`` calls ``add_serve_parser`` and
+``run_serve``. Torch-free: the model is loaded by the worker process only."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from qil_worker.service import limits
+from qil_worker.service.front import FrontConfig
+from qil_worker.service.server import ServeConfig, serve
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over gRPC (qil.v1.Inference)",
+        description="Serve a Qwen3 model over gRPC. Without --model, serves the embedded demo "
+        "model (random weights, meaningless outputs) so the quick start needs no download.",
+    )
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve, run=run_serve)
+    return p
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Qwen3 checkpoint directory (default: the embedded demo)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the worker")
+    p.add_argument("--num-pages", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--token-budget", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--max-active", type=int, default=64)
+    p.add_argument(
+        "--max-queued", type=int, default=1024,
+        help="unfinished requests admitted beyond --max-active; more is RESOURCE_EXHAUSTED",
+    )
+    p.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM/SIGINT")
+    p.add_argument("--max-restarts", type=int, default=5, help="worker restarts in a row before giving up")
+    p.add_argument(
+        "--retain-finished", type=int, default=limits.RETAIN_FINISHED,
+        help="finished requests kept for late subscribers (at most this many...)",
+    )
+    p.add_argument(
+        "--retain-seconds", type=float, default=limits.RETAIN_SECONDS,
+        help="...and for at most this long",
+    )
+    p.add_argument(
+        "--auth-token", default=None,
+        help="require 'authorization: Bearer TOKEN' (default: $QIL_AUTH_TOKEN; unset: no auth)",
+    )
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--tls-client-ca", default=None, help="PEM CA; requires client certificates")
+    p.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    token = args.auth_token if args.auth_token is not None else os.environ.get("QIL_AUTH_TOKEN")
+    return ServeConfig(
+        host=args.host,
+        port=args.port,
+        grace_seconds=args.grace_seconds,
+        auth_token=token or None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        front=FrontConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            threads=args.threads,
+            engine=dict(
+                num_pages=args.num_pages,
+                page_size=args.page_size,
+                token_budget=args.token_budget,
+                prefill_chunk=args.prefill_chunk,
+                max_active=args.max_active,
+            ),
+            max_queued=args.max_queued,
+            max_restarts=args.max_restarts,
+            retain_finished=args.retain_finished,
+            retain_seconds=args.retain_seconds,
+            log_level=args.log_level.upper(),
+        ),
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s [%(name)s] %(message)s",
+        stream=sys.stderr,
+    )
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    config = config_from_args(args)
+
+    def announce(line: str) -> None:
+        print(line, flush=True)
+
+    return asyncio.run(serve(config, announce=announce))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m qil_worker.service``), same as ``qil_worker serve``."""
+    parser = argparse.ArgumentParser(prog="qil_worker")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,89 @@
+"""Every mapping from a failure to a gRPC status code lives here."""
+
+from __future__ import annotations
+
+import grpc
+
+from qil_worker.service import protocol
+
+FIELD_METADATA_KEY = "qil-field"
+
+
+class ServiceError(Exception):
+    """A failure the front reports to a caller as a status (or as an in-band RequestError)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+
+    @property
+    def details(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((FIELD_METADATA_KEY, self.field),) if self.field else ()
+
+    async def abort(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(self.code, self.details, trailing_metadata=self.trailing_metadata())
+
+
+# Kinds of submit rejection the worker reports (see protocol.ERR_*) → status code.
+_WORKER_KIND_TO_CODE = {
+    protocol.ERR_INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    protocol.ERR_CAPACITY: grpc.StatusCode.INVALID_ARGUMENT,
+    protocol.ERR_DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    protocol.ERR_INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def classify_engine_error(exc: BaseException) -> tuple[str, str | None, str]:
+    """Worker side: an exception from ``Engine.submit`` → ``(kind, field, message)``.
+
+    Matched by class name so this module stays importable without the engine (and torch).
+    """
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    field = getattr(exc, "field", None)
+    message = str(exc)
+    if field and message.startswith(f"{field}: "):
+        message = message[len(field) + 2 :]
+    if "DuplicateRequestError" in names:
+        return protocol.ERR_DUPLICATE, field or "request_id", message
+    if "CapacityError" in names:
+        return protocol.ERR_CAPACITY, field, message
+    if "InvalidRequestError" in names or isinstance(exc, ValueError):
+        return protocol.ERR_INVALID, field, message
+    return protocol.ERR_INTERNAL, None, f"{type(exc).__name__}: {exc}"
+
+
+def from_worker_rejection(kind: str, field: str | None, message: str) -> ServiceError:
+    return ServiceError(_WORKER_KIND_TO_CODE.get(kind, grpc.StatusCode.INTERNAL), message, field)
+
+
+def invalid(field: str, message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message, field)
+
+
+def already_exists(request_id: str) -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is still live", "request_id"
+    )
+
+
+def not_found(request_id: str) -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} (unknown or expired)", "request_id"
+    )
+
+
+def unavailable(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def resource_exhausted(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+def unauthenticated() -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")

@@ -1,0 +1,528 @@
+"""The front's view of requests and of the worker process (asyncio, torch-free).
+
+``Front`` owns the worker process (spawn, restart with bounded backoff, stop), turns the worker's
+per-step batches into per-request logs, and lets RPC handlers follow those logs. A request's log is
+its list of output tokens plus its final record; a follower keeps only a cursor into it, so a slow
+reader costs no memory beyond the log itself (bounded by max_new_tokens) and never stalls anyone:
+when it catches up, everything produced meanwhile goes out as one event (coalescing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from qil_worker.service import limits
+from qil_worker.service import protocol as P
+from qil_worker.service.errors import (
+    ServiceError,
+    already_exists,
+    from_worker_rejection,
+    invalid,
+    resource_exhausted,
+    unavailable,
+)
+
+log = logging.getLogger("qil.front")
+
+CANCELLED_CODE = P.FINISH_CODES["cancelled"]
+ERROR_CODE = P.FINISH_CODES["error"]
+WORKER_DIED = "worker process died"
+
+
+class WorkerState(enum.IntEnum):  # numbers of qil.v1.WorkerState
+    STARTING = 1
+    READY = 2
+    RESTARTING = 3
+    FAILED = 4
+    STOPPING = 5
+
+
+class WorkerFailed(Exception):
+    """The worker could not start (bad model directory, ...) or died while starting."""
+
+
+@dataclass
+class FrontConfig:
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    threads: int | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    max_queued: int = 1024
+    max_restarts: int = 5
+    restart_backoff_s: float = 0.5
+    stable_after_s: float = 30.0
+    start_timeout_s: float = 900.0
+    retain_finished: int = limits.RETAIN_FINISHED
+    retain_seconds: float = limits.RETAIN_SECONDS
+    log_level: str = "INFO"
+
+
+class Req:
+    """One request as the front sees it: its output so far and, once over, its final record."""
+
+    __slots__ = ("rid", "prompt_len", "tokens", "final", "lost", "listeners")
+
+    def __init__(self, rid: str, prompt_len: int) -> None:
+        self.rid = rid
+        self.prompt_len = prompt_len
+        self.tokens: list[int] = []
+        # (finish_code, error, final_tuple_or_None) once the request is over
+        self.final: tuple[int, str | None, tuple | None] | None = None
+        self.lost = False  # ended because the worker died
+        self.listeners: set[Any] = set()
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None
+
+
+class Follower:
+    """Wakes one coroutine whenever a request it follows has news."""
+
+    __slots__ = ("_event", "lost")
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self.lost = False
+
+    def wake(self, req: Req) -> None:
+        self._event.set()
+
+    def worker_lost(self, req: Req) -> None:
+        self.lost = True
+        self._event.set()
+
+    async def wait(self, timeout: float | None = None) -> None:
+        if timeout is None:
+            await self._event.wait()
+        else:
+            try:
+                await asyncio.wait_for(self._event.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        self._event.clear()
+
+
+class _Worker:
+    """A running worker process and the two threads that talk to it."""
+
+    def __init__(self, gen: int, proc: Any, conn: Any) -> None:
+        self.gen = gen
+        self.proc = proc
+        self.conn = conn
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.info: dict[str, Any] | None = None
+
+    def send(self, msg: tuple) -> None:
+        self.outbox.put(msg)
+
+    def writer(self) -> None:
+        # A thread, so that a full pipe (worker busy in a long step) never blocks the event loop.
+        while True:
+            msg = self.outbox.get()
+            if msg is None:
+                return
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):
+                return
+
+    def reader(self, deliver: Callable[[int, Any], None]) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError, ValueError):
+                deliver(self.gen, None)
+                return
+            except Exception:  # noqa: BLE001 - a message we cannot unpickle: treat as dead
+                log.exception("bad message from worker")
+                deliver(self.gen, None)
+                return
+            deliver(self.gen, msg)
+
+
+class Front:
+    def __init__(self, config: FrontConfig) -> None:
+        self.config = config
+        self.requests: dict[str, Req] = {}
+        self._retained: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._acks: dict[str, asyncio.Future] = {}
+        self._tickets: dict[int, asyncio.Future] = {}
+        self._next_ticket = 0
+        self.num_unfinished = 0
+        self.num_requests_total = 0
+        self.stats: tuple[int, ...] = (0, 0, 0, 0, 0)
+        self.info: dict[str, Any] = {}
+        self.state = WorkerState.STARTING
+        self.restarts = 0
+        self._failures = 0
+        self._ready_since = 0.0
+        self._gen = 0
+        self._worker: _Worker | None = None
+        self._ready_fut: asyncio.Future | None = None
+        self._draining = False
+        self._stopping = False
+        self._idle = asyncio.Event()
+        self._restart_task: asyncio.Task | None = None
+        self.on_state_change: Callable[[WorkerState], Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---------------------------------------------------------------- worker lifecycle
+
+    @property
+    def max_unfinished(self) -> int:
+        return int(self.config.engine.get("max_active", 64)) + self.config.max_queued
+
+    @property
+    def worker_pid(self) -> int:
+        return self._worker.proc.pid if self._worker is not None else 0
+
+    def _set_state(self, state: WorkerState) -> None:
+        if state != self.state:
+            self.state = state
+            if self.on_state_change is not None:
+                self.on_state_change(state)
+
+    async def start(self) -> None:
+        """Start the first worker and wait until it is loaded and warm (or raise WorkerFailed)."""
+        self._loop = asyncio.get_running_loop()
+        await self._spawn()
+
+    async def _spawn(self) -> None:
+        from qil_worker.service.worker import worker_main  # torch-free at import time
+
+        loop = self._loop
+        assert loop is not None
+        ctx = multiprocessing.get_context("spawn")
+        self._gen += 1
+        parent, child = ctx.Pipe(duplex=True)
+        wcfg = {
+            "model": self.config.model,
+            "device": self.config.device,
+            "dtype": self.config.dtype,
+            "threads": self.config.threads,
+            "engine": dict(self.config.engine),
+            "log_level": self.config.log_level,
+        }
+        proc = ctx.Process(target=worker_main, args=(child, wcfg), name="qil-worker", daemon=True)
+        self._ready_fut = loop.create_future()
+        proc.start()
+        child.close()  # the front keeps only its end: EOF on it means the worker is gone
+        worker = _Worker(self._gen, proc, parent)
+        self._worker = worker
+        log.info("worker %d started (pid %d)", worker.gen, proc.pid)
+
+        def deliver(gen: int, msg: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(self._on_message, gen, msg)
+            except RuntimeError:  # loop closed
+                pass
+
+        threading.Thread(target=worker.writer, name="qil-worker-writer", daemon=True).start()
+        threading.Thread(
+            target=worker.reader, args=(deliver,), name="qil-worker-reader", daemon=True
+        ).start()
+        try:
+            info = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.config.start_timeout_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            raise WorkerFailed("worker did not become ready in time") from None
+        worker.info = info
+        self.info = info
+        self.stats = tuple(info.get("stats", self.stats))
+        self._ready_since = time.monotonic()
+        self._set_state(WorkerState.READY)
+        log.info(
+            "worker ready (pid %d): model %s%s", proc.pid, info.get("name"),
+            " [DEMO: random weights]" if info.get("demo") else "",
+        )
+
+    def _on_message(self, gen: int, msg: Any) -> None:
+        worker = self._worker
+        if worker is None or gen != worker.gen:
+            return  # a message from a previous worker
+        if msg is None:
+            self._on_worker_gone(worker)
+            return
+        tag = msg[0]
+        if tag == P.BATCH:
+            self._on_batch(msg[1], msg[2], msg[3], msg[4])
+        elif tag == P.READY:
+            if self._ready_fut is not None and not self._ready_fut.done():
+                self._ready_fut.set_result(msg[1])
+        elif tag == P.FATAL:
+            if self._ready_fut is not None and not self._ready_fut.done():
+                self._ready_fut.set_exception(WorkerFailed(msg[1]))
+
+    def _on_worker_gone(self, worker: _Worker) -> None:
+        worker.outbox.put(None)
+        if self._ready_fut is not None and not self._ready_fut.done():
+            self._ready_fut.set_exception(WorkerFailed("worker process exited while starting"))
+            return
+        if self._stopping:
+            return
+        log.error("worker process (pid %d) died; failing %d request(s)", worker.proc.pid, self.num_unfinished)
+        # State first (health NOT_SERVING), then the in-flight calls end with UNAVAILABLE.
+        self._set_state(WorkerState.STOPPING if self._draining else WorkerState.RESTARTING)
+        self._fail_in_flight()
+        if self._draining:
+            return
+        if self._restart_task is None or self._restart_task.done():
+            self._restart_task = asyncio.ensure_future(self._restart(worker))
+
+    def _fail_in_flight(self) -> None:
+        err = unavailable(WORKER_DIED)
+        for fut in list(self._acks.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self._acks.clear()
+        for fut in self._tickets.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._tickets.clear()
+        for req in list(self.requests.values()):
+            if req.final is None:
+                req.lost = True
+                req.final = (ERROR_CODE, WORKER_DIED, None)
+                self._finished(req)
+                for listener in list(req.listeners):
+                    listener.worker_lost(req)
+        self.stats = (self.stats[0], 0, self.stats[0], 0, 0)
+
+    async def _restart(self, dead: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, dead.proc.join, 5.0)
+        log.warning("worker exit code: %s", dead.proc.exitcode)
+        if time.monotonic() - self._ready_since > self.config.stable_after_s:
+            self._failures = 0
+        while not self._draining:
+            self._failures += 1
+            if self._failures > self.config.max_restarts:
+                log.error("worker died %d times in a row; giving up", self._failures)
+                self._set_state(WorkerState.FAILED)
+                return
+            delay = min(self.config.restart_backoff_s * 2 ** (self._failures - 1), 30.0)
+            log.warning("restarting worker in %.1fs (attempt %d)", delay, self._failures)
+            await asyncio.sleep(delay)
+            if self._draining:
+                return
+            try:
+                self.restarts += 1
+                await self._spawn()
+                return
+            except WorkerFailed as exc:
+                log.error("worker restart failed: %s", exc)
+                self._set_state(WorkerState.RESTARTING)
+
+    # ---------------------------------------------------------------- batches from the worker
+
+    def _on_batch(self, acks: list, events: list, stats: tuple, tickets: list) -> None:
+        for rid, err in acks:
+            fut = self._acks.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(err)
+        touched: dict[str, Req] = {}
+        for rid, token, _index, code, error, final in events:
+            req = self.requests.get(rid)
+            if req is None or req.final is not None:
+                continue
+            if token >= 0:
+                req.tokens.append(token)
+            if code:
+                req.final = (code, error, final)
+                self._finished(req)
+            touched[rid] = req
+        for req in touched.values():
+            for listener in list(req.listeners):
+                listener.wake(req)
+        self.stats = tuple(stats)
+        for ticket in tickets:
+            fut = self._tickets.pop(ticket, None)
+            if fut is not None and not fut.done():
+                fut.set_result(self.stats)
+
+    def _finished(self, req: Req) -> None:
+        self.num_unfinished -= 1
+        if self.num_unfinished <= 0:
+            self.num_unfinished = 0
+            self._idle.set()
+        now = time.monotonic()
+        self._retained[req.rid] = now
+        self._retained.move_to_end(req.rid)
+        cutoff = now - self.config.retain_seconds
+        while self._retained and (
+            len(self._retained) > self.config.retain_finished
+            or next(iter(self._retained.values())) < cutoff
+        ):
+            rid, _ = self._retained.popitem(last=False)
+            old = self.requests.get(rid)
+            if old is not None and old.final is not None:
+                del self.requests[rid]
+
+    # ---------------------------------------------------------------- operations for handlers
+
+    def _send(self, msg: tuple) -> None:
+        if self._worker is not None:
+            self._worker.send(msg)
+
+    def check_accepting(self) -> None:
+        if self._draining:
+            raise unavailable("server is shutting down")
+        if self.state != WorkerState.READY:
+            raise unavailable(f"worker is {self.state.name.lower()}")
+
+    async def submit(
+        self,
+        request_id: str,
+        token_ids: Iterable[int],
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+    ) -> Req:
+        """Queue a request in the worker; returns once the engine accepted it."""
+        if len(request_id) > limits.MAX_REQUEST_ID_LENGTH:
+            raise invalid(
+                "request_id", f"at most {limits.MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}"
+            )
+        self.check_accepting()
+        rid = request_id or uuid.uuid4().hex
+        existing = self.requests.get(rid)
+        if existing is not None and existing.final is None:
+            raise already_exists(rid)
+        if self.num_unfinished >= self.max_unfinished:
+            raise resource_exhausted(
+                f"{self.num_unfinished} unfinished requests; the server admits {self.max_unfinished}"
+            )
+        tokens = list(token_ids)
+        req = Req(rid, len(tokens))
+        self._retained.pop(rid, None)
+        self.requests[rid] = req
+        self.num_unfinished += 1
+        self._idle.clear()
+        fut = asyncio.get_running_loop().create_future()
+        self._acks[rid] = fut
+        self._send((P.SUBMIT, rid, tokens, int(max_new_tokens), list(stop_token_ids)))
+        try:
+            err = await fut
+        except asyncio.CancelledError:
+            self._send((P.CANCEL, rid))  # the caller is gone; the request must not run on
+            raise
+        except ServiceError:
+            if self.requests.get(rid) is req:
+                del self.requests[rid]
+                self._retained.pop(rid, None)
+            raise
+        if err is not None:
+            if self.requests.get(rid) is req:
+                del self.requests[rid]
+            if req.final is None:
+                req.final = (ERROR_CODE, err[2], None)
+                self.num_unfinished -= 1
+                if self.num_unfinished <= 0:
+                    self.num_unfinished = 0
+                    self._idle.set()
+            raise from_worker_rejection(*err)
+        self.num_requests_total += 1
+        return req
+
+    def cancel_nowait(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.final is not None:
+            return False
+        self._send((P.CANCEL, rid))
+        return True
+
+    async def cancel(self, request_ids: Iterable[str], timeout: float = 5.0) -> list[tuple[str, bool]]:
+        """Cancel requests and wait until they are over (their pages are then free).
+
+        Per id: True when the request was still active and ended cancelled. An id given twice
+        counts once.
+        """
+        ids = list(request_ids)
+        sent: dict[str, Req] = {}
+        for rid in ids:
+            req = self.requests.get(rid)
+            if rid not in sent and req is not None and self.cancel_nowait(rid):
+                sent[rid] = req
+        if sent:
+            follower = Follower()
+            for req in sent.values():
+                req.listeners.add(follower)
+            deadline = time.monotonic() + timeout
+            try:
+                while any(r.final is None for r in sent.values()) and time.monotonic() < deadline:
+                    await follower.wait(max(0.0, deadline - time.monotonic()))
+            finally:
+                for req in sent.values():
+                    req.listeners.discard(follower)
+        result = []
+        for rid in ids:
+            req = sent.pop(rid, None)
+            active = req is not None and (
+                req.final is None or req.final[0] == CANCELLED_CODE or req.lost
+            )
+            result.append((rid, active))
+        return result
+
+    async def fresh_stats(self, timeout: float = 2.0) -> tuple[int, ...]:
+        """Page pool and queue numbers straight from the worker (cached ones if it is busy)."""
+        if self.state != WorkerState.READY or self._worker is None:
+            return self.stats
+        self._next_ticket += 1
+        ticket = self._next_ticket
+        fut = asyncio.get_running_loop().create_future()
+        self._tickets[ticket] = fut
+        self._send((P.STATS, ticket))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except (asyncio.TimeoutError, ServiceError):
+            self._tickets.pop(ticket, None)
+            return self.stats
+
+    # ---------------------------------------------------------------- shutdown
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop accepting, let running requests finish for ``grace_s``, then cancel the rest."""
+        self._draining = True
+        if self.num_unfinished:
+            log.info("draining %d request(s) for up to %.1fs", self.num_unfinished, grace_s)
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+            except asyncio.TimeoutError:
+                pass
+        left = [rid for rid, r in self.requests.items() if r.final is None]
+        if left:
+            log.info("cancelling %d request(s) after the grace period", len(left))
+            await self.cancel(left, timeout=3.0)
+        return len(left)
+
+    async def stop_worker(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._set_state(WorkerState.STOPPING)
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        worker = self._worker
+        if worker is None:
+            return
+        worker.send((P.STOP,))
+        worker.outbox.put(None)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, worker.proc.join, timeout)
+        if worker.proc.is_alive():
+            log.warning("worker did not stop; killing it")
+            worker.proc.kill()
+            await loop.run_in_executor(None, worker.proc.join, 5.0)
+        try:
+            worker.conn.close()
+        except OSError:
+            pass

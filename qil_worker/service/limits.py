@@ -1,0 +1,27 @@
+"""Wire limits and channel options of the server (the client mirrors them)."""
+
+from __future__ import annotations
+
+MAX_REQUEST_ID_LENGTH = 128
+# A prompt of 1M token ids is ~5 MB on the wire; anything larger is refused by gRPC itself.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_NEW_TOKENS = 16
+# Finished requests kept for late subscribers: at most this many, for at most this long.
+RETAIN_FINISHED = 4096
+RETAIN_SECONDS = 600.0
+# Frames of one StreamEvents session being answered at once (bounds that session's memory; the
+# session stops reading frames until its answers are written).
+MAX_PENDING_FRAMES = 256
+
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Keepalive: ping idle connections every 30 s, drop them if no answer within 10 s; let
+    # clients ping every 10 s or more, even without calls in flight.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.so_reuseport", 0),
+]

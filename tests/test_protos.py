@@ -1,0 +1,89 @@
+"""The committed stubs are exactly what protos/ generates; the client and front stay torch-free."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STUBS = ROOT / "qil_client" / "_proto"
+
+
+def _normalise(text: str, same_protoc: bool) -> str:
+    if same_protoc:
+        return text
+    # Another grpcio-tools version stamps other version numbers; the rest must still match.
+    text = re.sub(r"Protobuf Python Version: .*", "", text)
+    text = re.sub(r"ValidateProtobufRuntimeVersion\([^)]*\)", "", text, flags=re.S)
+    return re.sub(r"GRPC_GENERATED_VERSION = '.*'", "", text)
+
+
+def test_generated_stubs_match_protos(tmp_path):
+    pytest.importorskip("grpc_tools")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_protos
+    finally:
+        sys.path.pop(0)
+    gen_protos.generate(tmp_path)
+    fresh = {p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    committed = {p.relative_to(STUBS) for p in STUBS.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert fresh == committed, "run: python scripts/gen_protos.py"
+    committed_pb2 = (STUBS / "qil/v1/inference_pb2.py").read_text()
+    fresh_pb2 = (tmp_path / "qil/v1/inference_pb2.py").read_text()
+    stamp = re.compile(r"Protobuf Python Version: (.*)")
+    same = stamp.search(committed_pb2).group(1) == stamp.search(fresh_pb2).group(1)
+    for rel in sorted(fresh):
+        a = (tmp_path / rel).read_text()
+        b = (STUBS / rel).read_text()
+        assert _normalise(a, same) == _normalise(b, same), f"{rel} is stale: run python scripts/gen_protos.py"
+
+
+def test_protos_compile_standalone_without_the_python_tree(tmp_path):
+    """Another language compiles protos/ as it is: plain protoc, only protos/ on the path."""
+    pytest.importorskip("grpc_tools")
+    from grpc_tools import protoc
+
+    files = [str(p.relative_to(ROOT / "protos")) for p in (ROOT / "protos").rglob("*.proto")]
+    assert files
+    rc = protoc.main(["protoc", f"-I{ROOT / 'protos'}", f"--descriptor_set_out={tmp_path / 'd.pb'}", *files])
+    assert rc == 0 and (tmp_path / "d.pb").stat().st_size > 0
+
+
+def test_finish_reason_zero_is_unspecified():
+    from qil_client import pb
+
+    assert pb.FinishReason.Name(0) == "FINISH_REASON_UNSPECIFIED"
+    assert pb.WorkerState.Name(0) == "WORKER_STATE_UNSPECIFIED"
+    from qil_worker.service.protocol import FINISH_CODES
+
+    for name, code in FINISH_CODES.items():
+        assert pb.FinishReason.Name(code) == f"FINISH_REASON_{name.upper()}"
+
+
+def _modules_after_import(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint('\\n'.join(sys.modules))"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_client_does_not_import_torch():
+    mods = _modules_after_import("import qil_client, qil_client.aio, qil_client.__main__")
+    assert "qil_client" in mods
+    assert "torch" not in mods
+
+
+def test_front_does_not_import_torch():
+    mods = _modules_after_import(
+        "import qil_worker.service.server, qil_worker.service.cli, qil_worker.service.worker,"
+        " qil_worker.service.demo_model"
+    )
+    assert "qil_worker.service.server" in mods
+    assert "torch" not in mods, "the front (and qil_worker/__init__) must not import torch"

@@ -1,0 +1,347 @@
+"""Every RPC against one real server (front in a thread, worker in a spawned process)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from qil_client import (
+    AlreadyExists,
+    AsyncClient,
+    Client,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    pb,
+)
+from qil_client.results import ResultBuilder
+from service_fixtures import (
+    ENGINE,
+    MAX_POSITIONS,
+    POOL_TOKENS,
+    make_service_checkpoint,
+    reference_outputs,
+    start_server,
+    wait_until,
+)
+
+LONG = 6000  # tokens: long enough to be cancelled mid-way (tiny model: ~1 ms per step)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_service_checkpoint(tmp_path_factory.mktemp("svc-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = start_server(model_dir)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target, timeout=60) as c:
+        yield c
+
+
+def pages_used(client: Client) -> int:
+    return client.info().pages.used
+
+
+def wait_pages_free(client: Client, timeout: float = 10.0) -> None:
+    wait_until(lambda: client.info().pages.used == 0 and client.info().num_unfinished == 0, timeout)
+
+
+def test_health_and_reflection(server, client):
+    assert client.health() == "SERVING"
+    assert client.health("qil.v1.Inference") == "SERVING"
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(server.target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        resp = next(iter(stub.ServerReflectionInfo(iter([req]), timeout=10)))
+        names = {s.name for s in resp.list_services_response.service}
+    assert {"qil.v1.Inference", "grpc.health.v1.Health"} <= names
+
+
+def test_get_info(client, model_dir):
+    info = client.info()
+    assert info.model.vocab_size == 97
+    assert info.model.max_position_embeddings == MAX_POSITIONS
+    assert info.model.name == str(model_dir)
+    assert not info.model.demo
+    assert info.model.dtype == "float32"
+    assert info.limits.page_size == ENGINE["page_size"]
+    assert info.limits.max_active == ENGINE["max_active"]
+    assert info.limits.max_request_id_length == 128
+    assert info.pages.total == ENGINE["num_pages"]
+    assert info.pages.used + info.pages.free == info.pages.total
+    assert info.worker.state == pb.WORKER_STATE_READY
+    assert info.worker.pid > 0
+
+
+def test_generate_matches_engine_and_reports_metrics(client, model_dir):
+    prompt = [5, 6, 7, 8]
+    want = reference_outputs(model_dir, [prompt], 10)[0]
+    events = list(client.stream(prompt, max_new_tokens=10, request_id="gen-1"))
+    assert [e.seq for e in events] == [sum(len(x.token_ids) for x in events[:i]) for i in range(len(events))]
+    assert all(e.request_id == "gen-1" for e in events)
+    final = events[-1]
+    assert final.finished and not any(e.finished for e in events[:-1])
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert [t for e in events for t in e.token_ids] == want
+    assert final.num_prompt_tokens == 4 and final.num_output_tokens == 10
+    m = final.metrics
+    assert 0 <= m.queue_time_s <= m.ttft_s <= m.e2e_s
+    assert 0 < m.mean_itl_s <= m.max_itl_s
+
+
+def test_stop_token_ends_with_stop(client, model_dir):
+    prompt = [9, 10, 11]
+    free = reference_outputs(model_dir, [prompt], 8)[0]
+    stop = free[3]
+    r = client.generate(prompt, max_new_tokens=8, stop_token_ids=[stop])
+    assert r.finish_reason == "stop"
+    assert r.token_ids == free[: free.index(stop) + 1]
+
+
+def test_32_concurrent_streams_match_in_process_engine(server, model_dir):
+    prompts = [[(7 * i + j) % 97 for j in range(3 + i % 5)] for i in range(32)]
+    want = reference_outputs(model_dir, prompts, 12)
+
+    async def run():
+        async with AsyncClient(server.target, timeout=60) as ac:
+            return await asyncio.gather(*(ac.generate(p, max_new_tokens=12) for p in prompts))
+
+    results = asyncio.run(run())
+    assert [r.token_ids for r in results] == want
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 12 for r in results)
+    assert len({r.request_id for r in results}) == 32
+
+
+def test_submit_then_late_subscriber_gets_everything(client, model_dir):
+    prompt = [1, 2, 3, 4, 5]
+    want = reference_outputs(model_dir, [prompt], 20)[0]
+    rid = client.submit(prompt, max_new_tokens=20, request_id="late-1")
+    assert rid == "late-1"
+    # The request runs without any stream; subscribe only after it is over.
+    wait_until(lambda: client.info().num_unfinished == 0)
+    r = client.result(rid)
+    assert r.token_ids == want and r.finish_reason == "length"
+    tail = list(client.events(rid, from_seq=15))
+    assert tail[0].seq == 15
+    assert [t for e in tail for t in e.token_ids] == want[15:]
+    assert tail[-1].finished
+
+
+def test_subscriber_during_generation_gets_full_sequence(client):
+    rid = client.submit([3, 1, 4, 1, 5], max_new_tokens=1500)
+    live = client.events(rid)
+    first = next(live)
+    assert client.info().num_unfinished >= 1  # subscribed while it runs
+    events = [first, *live]
+    assert events[0].seq == 0
+    tokens = [t for e in events for t in e.token_ids]
+    assert len(tokens) == 1500 and events[-1].finished
+    assert client.result(rid).token_ids == tokens  # and a replay after the end agrees
+
+
+def test_server_generates_request_id_and_echoes_it(client):
+    rid = client.submit([1, 2], max_new_tokens=2)
+    assert rid and len(rid) <= 128
+    assert client.result(rid).request_id == rid
+
+
+def test_cancel_rpc_frees_pages_and_is_idempotent(client):
+    rid = client.submit([1, 2, 3], max_new_tokens=LONG)
+    wait_until(lambda: pages_used(client) > 0)
+    out = client.cancel(rid, "never-existed")
+    assert out == {rid: True, "never-existed": False}
+    assert client.info().pages.used == 0  # Cancel returns once the request is over
+    assert client.cancel(rid) == {rid: False}  # idempotent
+    r = client.result(rid)
+    assert r.finish_reason == "cancelled" and r.num_output_tokens < LONG
+
+
+def test_cancel_by_client_disconnect(client):
+    stream = client.stream([2, 3, 4], max_new_tokens=LONG, request_id="disc-1")
+    first = next(stream)
+    assert first.request_id == "disc-1"
+    stream.close()  # cancels the call
+    wait_pages_free(client)
+    r = client.result("disc-1")
+    assert r.finish_reason == "cancelled" and r.num_output_tokens < LONG
+
+
+def test_cancel_by_deadline(client):
+    with pytest.raises(DeadlineExceeded):
+        client.generate([4, 5, 6], max_new_tokens=LONG, request_id="dl-1", timeout=0.3)
+    wait_pages_free(client)
+    assert client.result("dl-1").finish_reason == "cancelled"
+
+
+def test_session_submit_cancel_subscribe_and_half_close(client, model_dir):
+    want = reference_outputs(model_dir, [[7, 7, 7]], 6)[0]
+    with client.session() as s:
+        s.submit([7, 7, 7], max_new_tokens=6, request_id="s-a")
+        s.submit([8, 8], max_new_tokens=LONG, request_id="s-b")
+        s.submit([8, 8], max_new_tokens=0, request_id="s-bad")
+        got: dict[str, ResultBuilder] = {}
+        errors, acks, cancels = [], [], []
+        cancelled = False
+        for resp in s:
+            kind = resp.WhichOneof("frame")
+            if kind == "submitted":
+                acks.append(resp.submitted.request_id)
+            elif kind == "error":
+                errors.append(resp.error)
+            elif kind == "cancelled":
+                cancels.append({r.request_id: r.was_active for r in resp.cancelled.results})
+            elif kind == "event":
+                got.setdefault(resp.event.request_id, ResultBuilder()).add(resp.event)
+                if resp.event.request_id == "s-b" and not cancelled:
+                    cancelled = True
+                    s.cancel("s-b")
+                    s.subscribe("late-1")  # a request submitted elsewhere, already over
+                    s.close()  # half-close: the server ends after the last request
+    assert acks == ["s-a", "s-b"]
+    assert len(errors) == 1 and errors[0].request_id == "s-bad"
+    assert errors[0].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and errors[0].field == "max_new_tokens"
+    assert cancels == [{"s-b": True}]
+    assert got["s-a"].result().token_ids == want
+    assert got["s-b"].result().finish_reason == "cancelled"
+    assert got["late-1"].result().num_output_tokens == 20
+    wait_pages_free(client)
+
+
+def test_session_break_cancels_its_requests(client):
+    s = client.session()
+    s.submit([1, 1, 1], max_new_tokens=LONG, request_id="brk-1")
+    it = iter(s)
+    while next(it).WhichOneof("frame") != "event":
+        pass
+    s.abort()
+    wait_pages_free(client)
+    assert client.result("brk-1").finish_reason == "cancelled"
+
+
+def test_subscribe_unknown_is_not_found(client):
+    with pytest.raises(NotFound) as exc:
+        list(client.events("no-such-request"))
+    assert exc.value.field == "request_id"
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(token_ids=[]), "token_ids"),
+        (dict(token_ids=[1, 97]), "token_ids"),
+        (dict(token_ids=[1], max_new_tokens=0), "max_new_tokens"),
+        (dict(token_ids=[1] * (MAX_POSITIONS + 1)), None),  # longer than the model's positions
+        (dict(token_ids=[1] * 100, max_new_tokens=MAX_POSITIONS), "max_new_tokens"),
+        (dict(token_ids=[1], request_id="x" * 129), "request_id"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
+    for call in (client.submit, client.generate):
+        with pytest.raises(InvalidArgument) as exc:
+            call(**kwargs)
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert exc.value.field
+        if field:
+            assert exc.value.field == field
+        assert exc.value.details.startswith(exc.value.field + ":")
+
+
+def test_request_larger_than_the_page_pool_is_invalid_argument(client):
+    info = client.info()
+    assert info.pages.total * info.limits.page_size == POOL_TOKENS < MAX_POSITIONS
+    with pytest.raises(InvalidArgument) as exc:
+        client.submit([1] * 100, max_new_tokens=POOL_TOKENS)  # fits positions, never the pool
+    assert exc.value.field
+
+
+def test_live_duplicate_is_already_exists(client):
+    rid = client.submit([1, 2, 3], max_new_tokens=LONG, request_id="dup-1")
+    with pytest.raises(AlreadyExists) as exc:
+        client.submit([1, 2, 3], max_new_tokens=2, request_id="dup-1")
+    assert exc.value.field == "request_id"
+    client.cancel(rid)
+    # once over, the id may be used again
+    assert client.generate([1, 2], max_new_tokens=2, request_id="dup-1").finish_reason == "length"
+
+
+def test_slow_reader_gets_coalesced_events_and_does_not_stall_others(server, client, model_dir):
+    prompt = [11, 12, 13]
+    want = reference_outputs(model_dir, [prompt], 80)[0]
+    slow = client.stream(prompt, max_new_tokens=80)
+    first = next(slow)
+    # Another request completes while the slow reader sleeps.
+    t0 = time.monotonic()
+    other = client.generate([2, 2], max_new_tokens=5)
+    assert other.finish_reason == "length" and time.monotonic() - t0 < 10
+    time.sleep(1.0)
+    rest = list(slow)
+    events = [first] + rest
+    assert [t for e in events for t in e.token_ids] == want
+    b = ResultBuilder()
+    for e in events:
+        b.add(e)  # raises on a gap
+    assert b.result().finish_reason == "length"
+
+
+def test_events_are_gap_free_under_concurrency(server):
+    async def run():
+        async with AsyncClient(server.target, timeout=60) as ac:
+            rids = [await ac.submit([i + 1, 2, 3], max_new_tokens=30) for i in range(8)]
+            return await asyncio.gather(*(ac.result(r) for r in rids))
+
+    results = asyncio.run(run())
+    assert all(r.num_output_tokens == 30 == len(r.token_ids) for r in results)
+
+
+def test_async_session_info_and_health(server, model_dir):
+    want = reference_outputs(model_dir, [[6, 6]], 5)[0]
+
+    async def run():
+        async with AsyncClient(server.target, timeout=60) as ac:
+            assert await ac.health() == "SERVING"
+            info = await ac.info()
+            s = ac.session()
+            s.submit([6, 6], max_new_tokens=5, request_id="aio-s")
+            s.close()
+            b = ResultBuilder()
+            async for resp in s:
+                if resp.WhichOneof("frame") == "event":
+                    b.add(resp.event)
+            cancelled = await ac.cancel("aio-s")
+            return info, b.result(), cancelled
+
+    info, result, cancelled = asyncio.run(run())
+    assert info.model.vocab_size == 97
+    assert result.token_ids == want and result.finish_reason == "length"
+    assert cancelled == {"aio-s": False}  # already over
+
+
+def test_build_event_coalesces_everything_since_the_cursor():
+    from qil_worker.service.front import Req
+    from qil_worker.service.server import build_event
+
+    req = Req("r", prompt_len=3)
+    assert build_event(req, 0) == (None, 0, False)
+    req.tokens.extend([5, 6, 7])
+    ev, cursor, done = build_event(req, 1)
+    assert (ev.seq, list(ev.token_ids), cursor, done, ev.finished) == (1, [6, 7], 3, False, False)
+    req.tokens.append(8)
+    req.final = (2, None, (3, 4, 0.1, 0.2, 0.01, 0.02, 0.3, 1))
+    ev, cursor, done = build_event(req, 3)
+    assert (ev.seq, list(ev.token_ids), cursor, done) == (3, [8], 4, True)
+    assert ev.finish_reason == pb.FINISH_REASON_LENGTH and ev.num_output_tokens == 4
+    assert ev.num_prompt_tokens == 3 and ev.metrics.num_preemptions == 1
