@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from qil_worker.engine.scheduler import ScheduledChunk
+from qil_worker.engine.transfer import to_device
 from qil_worker.model.attention import AttentionGroup, AttentionMetadata
 from qil_worker.model.varlen import VarlenMetadata
 
@@ -60,8 +61,8 @@ def build_step_batch(
         [c.request.page_table.pages + [0] * (max_pages - len(c.request.page_table.pages)) for c in ordered],
         dtype=torch.long,
     ).to(device, non_blocking=True)
-    positions_t = torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
-    rows_t = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    positions_t = to_device(positions, device, torch.long)
+    rows_t = to_device(rows, device, torch.long)
     slot_mapping = tables[rows_t, positions_t // page_size] * page_size + positions_t % page_size
 
     groups: list[AttentionGroup] = []
@@ -75,7 +76,7 @@ def build_step_batch(
         start += sum(c.num_tokens for c in members)
 
     return StepBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
+        input_ids=to_device(input_ids, device, torch.long),
         positions=positions_t,
         attention=AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -83,7 +84,7 @@ def build_step_batch(
             varlen=_varlen_metadata(ordered, tables, device) if varlen else None,
             page_size=page_size,
         ),
-        sample_indices=torch.tensor(sample_indices, dtype=torch.long).to(device, non_blocking=True),
+        sample_indices=to_device(sample_indices, device, torch.long),
         sampled=sampled,
         chunks=ordered,
     )
@@ -99,7 +100,7 @@ def _varlen_metadata(
     return VarlenMetadata(
         cu_seq_q=offsets[0],
         cu_seq_k=offsets[1],
-        seq_used_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
+        seq_used_k=to_device(k_lens, device, torch.int32),
         block_table=tables.to(torch.int32),
         max_q=max(q_lens),
         max_k=max(k_lens),
@@ -134,7 +135,7 @@ def _group(
         end=start + sum(c.num_tokens for c in members),
         batch=batch,
         q_max=q_max,
-        pad_index=None if q_max == 1 else torch.tensor(pad_index, dtype=torch.long).to(device, non_blocking=True),
+        pad_index=None if q_max == 1 else to_device(pad_index, device, torch.long),
         key_slots=key_slots,
         key_lengths=torch.tensor([c.end for c in members], dtype=torch.long),
         mask=mask,

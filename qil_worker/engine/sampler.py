@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from qil_worker.engine.request import Request
+from qil_worker.engine.transfer import to_device
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Sampler:
         logits = mask_stops_before_min_tokens(logits, requests)
         greedy = all(p.greedy for p in params)
         if not greedy:
-            temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+            temps = to_device([p.temperature or 1.0 for p in params], logits.device)
             logits = logits / temps[:, None]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -58,12 +59,10 @@ class Sampler:
             if any(p.truncated for p in params):
                 logits = truncate(logits, params)
             cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
-            u = torch.tensor(
-                [uniform_for(r.seed, len(r.output_token_ids)) for r in requests], device=logits.device
-            )
+            u = to_device([uniform_for(r.seed, len(r.output_token_ids)) for r in requests], logits.device)
             drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
             drawn = drawn.clamp_max(logits.shape[1] - 1)
-            is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            is_greedy = to_device([p.greedy for p in params], logits.device)
             tokens = torch.where(is_greedy, argmax, drawn)
 
         if logprobs is None:
@@ -102,17 +101,17 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     counts = torch.zeros_like(logits)
     if out_ids:
         counts.index_put_(
-            (torch.tensor(out_rows, device=device), torch.tensor(out_ids, device=device)),
+            (to_device(out_rows, device), to_device(out_ids, device)),
             torch.ones(len(out_ids), device=device),
             accumulate=True,
         )
     seen = counts > 0
     if prompt_ids:
-        seen[torch.tensor(prompt_rows, device=device), torch.tensor(prompt_ids, device=device)] = True
+        seen[to_device(prompt_rows, device), to_device(prompt_ids, device)] = True
     params = [r.sampling for r in requests]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    rep = to_device([p.repetition_penalty for p in params], device)[:, None]
+    presence = to_device([p.presence_penalty for p in params], device)[:, None]
+    frequency = to_device([p.frequency_penalty for p in params], device)[:, None]
     penalized = torch.where(logits < 0, logits * rep, logits / rep)
     logits = torch.where(seen, penalized, logits)
     return logits - frequency * counts - presence * (counts > 0)
@@ -128,7 +127,7 @@ def mask_stops_before_min_tokens(logits: torch.Tensor, requests: list[Request]) 
     if not rows:
         return logits
     logits = logits.clone()
-    logits[torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)] = float("-inf")
+    logits[to_device(rows, logits.device), to_device(ids, logits.device)] = float("-inf")
     return logits
 
 
@@ -138,12 +137,12 @@ def truncate(logits: torch.Tensor, params: list) -> torch.Tensor:
     device = logits.device
     neg_inf = float("-inf")
     if any(p.top_k > 0 for p in params):
-        k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
+        k = to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device)
         sorted_desc = logits.sort(dim=-1, descending=True).values
         kth = sorted_desc.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, neg_inf)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        top_p = to_device([p.top_p for p in params], device)[:, None]
         sorted_logits, order = logits.sort(dim=-1)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         remove_sorted = cumulative <= 1 - top_p
@@ -151,7 +150,7 @@ def truncate(logits: torch.Tensor, params: list) -> torch.Tensor:
         remove = remove_sorted.scatter(1, order, remove_sorted)
         logits = logits.masked_fill(remove, neg_inf)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        min_p = to_device([p.min_p for p in params], device)[:, None]
         probs = logits.softmax(dim=-1)
         remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
         remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
