@@ -3,6 +3,9 @@
     from qil_client import Client
     with Client("127.0.0.1:50051") as client:
         result = client.generate([1, 2, 3], max_new_tokens=8)
+        result = client.generate(text="Once upon a time", temperature=0.7, top_p=0.9, seed=1,
+                                 stop_strings=["\n\n"], logprobs=True)
+        print(result.text, result.finish_reason, result.stop_reason)
 """
 
 from qil_client._channel import TLS
@@ -13,6 +16,7 @@ from qil_client.errors import (
     AlreadyExists,
     Cancelled,
     DeadlineExceeded,
+    FailedPrecondition,
     Internal,
     InvalidArgument,
     NotFound,
@@ -25,6 +29,6 @@ from qil_client.results import Metrics, Result
 
 __all__ = [
     "AlreadyExists", "AsyncClient", "AsyncSession", "Cancelled", "Client", "DeadlineExceeded",
-    "Internal", "InvalidArgument", "Metrics", "NotFound", "QilError", "ResourceExhausted", "Result",
-    "Session", "TLS", "Unauthenticated", "Unavailable", "pb",
+    "FailedPrecondition", "Internal", "InvalidArgument", "Metrics", "NotFound", "QilError",
+    "ResourceExhausted", "Result", "Session", "TLS", "Unauthenticated", "Unavailable", "pb",
 ]

@@ -1,6 +1,8 @@
-"""``python -m qil_client --target HOST:PORT generate --token-ids '[1,2,3]'``.
+"""``python -m qil_client --target HOST:PORT generate --prompt 'Once upon a time' --temperature 0.7``.
 
-Commands: generate (streams tokens, then prints the metrics), submit, cancel, events, info, health.
+Commands: generate (streams the text as it is produced, or the token ids when the server has no
+tokenizer, then prints the metrics), submit, cancel, events, info, health. The sampling flags
+have the names of ``python -m qil_worker generate``'s; unset flags leave the server's defaults.
 """
 
 from __future__ import annotations
@@ -21,6 +23,53 @@ def _ids(text: str) -> list[int]:
     return value
 
 
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """The per-request generation flags, named as those of ``python -m qil_worker generate``
+    (``qil_worker.cli_generate.add_sampling_arguments``; duplicated so that the client package
+    does not depend on the worker package)."""
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 16")
+    p.add_argument("--stop-token-ids", type=_ids, default=[], help="JSON list of extra stop ids")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-new-tokens", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+
+
+SAMPLING_FLAGS = (
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "min_new_tokens", "ignore_eos",
+)
+
+
+def request_kwargs(args: argparse.Namespace) -> dict:
+    """The submit_request keyword arguments of generate / submit (unset flags are left out)."""
+    kw: dict = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+    for k in ("logprobs", "top_logprobs", "include_stop_string", "skip_special_tokens"):
+        if getattr(args, k) is not None:
+            kw[k] = getattr(args, k)
+    if args.token_ids is not None:
+        kw["token_ids"] = args.token_ids
+    elif args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        kw["messages"] = messages + [{"role": "user", "content": args.prompt}]
+        if args.thinking is not None:
+            kw["enable_thinking"] = args.thinking
+    else:
+        kw["text"] = args.prompt
+    if args.stop:
+        kw["stop_strings"] = args.stop
+    kw.update(max_new_tokens=args.max_new_tokens, stop_token_ids=args.stop_token_ids,
+              request_id=args.request_id)
+    return kw
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m qil_client", description="qil gRPC client")
     p.add_argument("--target", default="127.0.0.1:50051",
@@ -34,11 +83,24 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate and stream the tokens")
     s = sub.add_parser("submit", help="queue a request; prints its id")
     for q in (g, s):
-        q.add_argument("--token-ids", type=_ids, required=True, help="JSON list, e.g. '[1,2,3]'")
-        q.add_argument("--max-new-tokens", type=int, default=None)
-        q.add_argument("--stop-token-ids", type=_ids, default=[])
+        src = q.add_mutually_exclusive_group(required=True)
+        src.add_argument("--token-ids", type=_ids, help="prompt as a JSON list, e.g. '[1,2,3]'")
+        src.add_argument("--prompt", help="prompt text (the server needs a tokenizer)")
+        q.add_argument("--chat", action="store_true", help="send --prompt as a user chat message")
+        q.add_argument("--system", default=None, help="with --chat: a system message first")
+        q.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                       help="with --chat: Qwen3's enable_thinking (default: the template's)")
+        add_sampling_arguments(q)
+        q.add_argument("--logprobs", action="store_true", default=None,
+                       help="ask for each token's log-probability (shown with --json)")
+        q.add_argument("--top-logprobs", type=int, default=None, help="and the N most likely (<= 20)")
+        q.add_argument("--include-stop-string", action="store_true", default=None,
+                       help="keep the stop string at the end of the text")
+        q.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
+                       default=None, help="show special tokens in the text")
         q.add_argument("--request-id", default="")
     g.add_argument("--json", action="store_true", help="print one JSON object per event")
+    g.add_argument("--ids", action="store_true", help="print token ids even when text comes")
     c = sub.add_parser("cancel", help="cancel requests")
     c.add_argument("request_ids", nargs="+")
     e = sub.add_parser("events", help="stream a request's events (replayed from --from-seq)")
@@ -49,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _print_events(events, as_json: bool) -> int:
+def _print_events(events, as_json: bool, ids: bool = False) -> int:
     builder = ResultBuilder()
     for ev in events:
         builder.add(ev)
@@ -57,6 +119,8 @@ def _print_events(events, as_json: bool) -> int:
             from google.protobuf.json_format import MessageToDict
 
             print(json.dumps(MessageToDict(ev, preserving_proto_field_name=True)), flush=True)
+        elif ev.HasField("text") and not ids:
+            print(ev.text, end="", flush=True)
         elif ev.token_ids:
             print(" ".join(str(t) for t in ev.token_ids), end=" ", flush=True)
     r = builder.result()
@@ -65,7 +129,9 @@ def _print_events(events, as_json: bool) -> int:
         m = r.metrics
         print(
             f"request {r.request_id}: {r.num_output_tokens} tokens, finish={r.finish_reason}"
+            + (f" stop={r.stop_reason!r}" if r.stop_reason is not None else "")
             + (f" error={r.error!r}" if r.error else "")
+            + f" | prompt {r.num_prompt_tokens} tokens ({r.num_cached_tokens} cached)"
             + f" | queue {m.queue_time_s * 1e3:.1f} ms, ttft {m.ttft_s * 1e3:.1f} ms,"
             f" itl mean {m.mean_itl_s * 1e3:.2f} ms max {m.max_itl_s * 1e3:.2f} ms,"
             f" e2e {m.e2e_s * 1e3:.1f} ms, preemptions {m.num_preemptions}",
@@ -81,13 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.wait_ready and args.command != "health":
             client.wait_ready(args.wait_ready)
+        if args.command in ("generate", "submit") and args.token_ids is not None and (
+            args.chat or args.system or args.thinking is not None
+        ):
+            print("error: --chat, --system and --thinking go with --prompt", file=sys.stderr)
+            return 2
         if args.command == "generate":
-            events = client.stream(args.token_ids, args.max_new_tokens, args.stop_token_ids,
-                                   args.request_id, timeout=args.timeout)
-            return _print_events(events, args.json)
+            events = client.stream(timeout=args.timeout, **request_kwargs(args))
+            return _print_events(events, args.json, args.ids)
         if args.command == "submit":
-            print(client.submit(args.token_ids, args.max_new_tokens, args.stop_token_ids,
-                                args.request_id, timeout=args.timeout))
+            print(client.submit(timeout=args.timeout, **request_kwargs(args)))
             return 0
         if args.command == "cancel":
             for rid, active in client.cancel(*args.request_ids, timeout=args.timeout).items():
@@ -107,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     except QilError as err:
         print(f"error: {err}" + (f" (field {err.field})" if err.field else ""), file=sys.stderr)
         return 1
+    except (TypeError, ValueError) as err:  # a value the wire cannot carry (e.g. a negative seed)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except TimeoutError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -30,10 +30,11 @@ class AsyncSession:
                 return
             yield frame
 
-    def submit(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
-               stop_token_ids: Sequence[int] = (), request_id: str = "") -> None:
+    def submit(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
+               stop_token_ids: Sequence[int] = (), request_id: str = "", **options) -> None:
+        """Send a submit frame; ``options`` as ``qil_client.results.submit_request``."""
         self._frames.put_nowait(pb.StreamEventsRequest(
-            submit=submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)))
+            submit=submit_request(token_ids, max_new_tokens, stop_token_ids, request_id, **options)))
 
     def cancel(self, *request_ids: str) -> None:
         self._frames.put_nowait(pb.StreamEventsRequest(cancel=pb.CancelRequest(request_ids=list(request_ids))))
@@ -77,10 +78,10 @@ class AsyncClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    async def submit(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+    async def submit(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                      stop_token_ids: Sequence[int] = (), request_id: str = "",
-                     timeout: float | None = None) -> str:
-        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)
+                     timeout: float | None = None, **options) -> str:
+        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id, **options)
         return (await self._unary(self._stub.Submit, req, timeout)).request_id
 
     async def cancel(self, *request_ids: str, timeout: float | None = None) -> dict[str, bool]:
@@ -100,11 +101,11 @@ class AsyncClient:
             raise from_rpc_error(err) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
-    async def stream(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+    async def stream(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                      stop_token_ids: Sequence[int] = (), request_id: str = "",
-                     timeout: float | None = None) -> AsyncIterator[pb.Event]:
+                     timeout: float | None = None, **options) -> AsyncIterator[pb.Event]:
         """Generate: events as tokens come; leaving the loop early cancels the request."""
-        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)
+        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id, **options)
         call = self._stub.Generate(req, metadata=self._md, timeout=self._t(timeout))
         try:
             async for ev in call:
@@ -114,11 +115,11 @@ class AsyncClient:
         finally:
             call.cancel()
 
-    async def generate(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+    async def generate(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                        stop_token_ids: Sequence[int] = (), request_id: str = "",
-                       timeout: float | None = None) -> Result:
+                       timeout: float | None = None, **options) -> Result:
         builder = ResultBuilder(request_id)
-        async for ev in self.stream(token_ids, max_new_tokens, stop_token_ids, request_id, timeout):
+        async for ev in self.stream(token_ids, max_new_tokens, stop_token_ids, request_id, timeout, **options):
             builder.add(ev)
         return builder.result()
 

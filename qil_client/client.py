@@ -34,10 +34,11 @@ class Session:
                 return
             yield frame
 
-    def submit(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
-               stop_token_ids: Sequence[int] = (), request_id: str = "") -> None:
+    def submit(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
+               stop_token_ids: Sequence[int] = (), request_id: str = "", **options) -> None:
+        """Send a submit frame; ``options`` as ``qil_client.results.submit_request``."""
         self._frames.put(pb.StreamEventsRequest(
-            submit=submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)))
+            submit=submit_request(token_ids, max_new_tokens, stop_token_ids, request_id, **options)))
 
     def cancel(self, *request_ids: str) -> None:
         self._frames.put(pb.StreamEventsRequest(cancel=pb.CancelRequest(request_ids=list(request_ids))))
@@ -71,6 +72,14 @@ class Client:
 
     ``token``: bearer token for servers started with --auth-token. ``tls``: True (system roots)
     or a ``TLS``. Every failure raises a ``qil_client.errors.QilError`` subclass.
+
+    ``submit``, ``stream`` and ``generate`` take the prompt as ``token_ids``, ``text=`` or
+    ``messages=`` and the keyword options of ``qil_client.results.submit_request``: sampling
+    (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+    ``presence_penalty``, ``frequency_penalty``, ``seed``, ``min_new_tokens``, ``ignore_eos``),
+    ``logprobs`` / ``top_logprobs``, ``stop_strings`` / ``include_stop_string``,
+    ``skip_special_tokens`` and ``enable_thinking``. None leaves an option to the server's
+    default (greedy decoding).
     """
 
     def __init__(self, target: str | Sequence[str], token: str | None = None,
@@ -85,10 +94,10 @@ class Client:
         self._timeout = timeout
 
     # -- unary
-    def submit(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+    def submit(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                stop_token_ids: Sequence[int] = (), request_id: str = "",
-               timeout: float | None = None) -> str:
-        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)
+               timeout: float | None = None, **options) -> str:
+        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id, **options)
         return self._unary(self._stub.Submit, req, timeout).request_id
 
     def cancel(self, *request_ids: str, timeout: float | None = None) -> dict[str, bool]:
@@ -125,19 +134,19 @@ class Client:
             time.sleep(0.1)
 
     # -- streaming
-    def stream(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+    def stream(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                stop_token_ids: Sequence[int] = (), request_id: str = "",
-               timeout: float | None = None) -> Iterator[pb.Event]:
+               timeout: float | None = None, **options) -> Iterator[pb.Event]:
         """Generate: yield events as tokens come. Closing the iterator early cancels the request."""
-        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id)
+        req = submit_request(token_ids, max_new_tokens, stop_token_ids, request_id, **options)
         call = self._stub.Generate(req, metadata=self._md, timeout=self._t(timeout))
         return self._iterate(call)
 
-    def generate(self, token_ids: Sequence[int], max_new_tokens: int | None = None,
+    def generate(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                  stop_token_ids: Sequence[int] = (), request_id: str = "",
-                 timeout: float | None = None) -> Result:
+                 timeout: float | None = None, **options) -> Result:
         builder = ResultBuilder(request_id)
-        for ev in self.stream(token_ids, max_new_tokens, stop_token_ids, request_id, timeout):
+        for ev in self.stream(token_ids, max_new_tokens, stop_token_ids, request_id, timeout, **options):
             builder.add(ev)
         return builder.result()
 

@@ -37,6 +37,10 @@ class Unauthenticated(QilError):
     """Missing or wrong bearer token."""
 
 
+class FailedPrecondition(QilError):
+    """The server lacks what the request needs, e.g. a tokenizer for text, messages or stop strings."""
+
+
 class PermissionDenied(QilError):
     pass
 
@@ -63,6 +67,7 @@ _BY_CODE = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,

@@ -1,8 +1,10 @@
-"""Plain results of the client (the streaming calls yield the generated ``Event`` messages)."""
+"""Plain results of the client (the streaming calls yield the generated ``Event`` messages), and
+the one place that turns keyword arguments into a ``SubmitRequest``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 
@@ -13,6 +15,15 @@ FINISH_REASONS = {
     pb.FINISH_REASON_CANCELLED: "cancelled",
     pb.FINISH_REASON_ERROR: "error",
 }
+
+# Keyword options of submit / stream / generate (sync and asyncio, and the sessions' submit),
+# each an optional SubmitRequest field of the same name. None (the default) leaves a field
+# unset, so the server's default applies: greedy decoding, no logprobs, special tokens skipped.
+SAMPLING_OPTIONS = (
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "min_new_tokens", "ignore_eos", "logprobs", "top_logprobs",
+)
+TEXT_OPTIONS = ("include_stop_string", "skip_special_tokens", "enable_thinking")
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,20 @@ class Result:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     metrics: Metrics = field(default_factory=Metrics)
+    # The output text (the events' text deltas joined); None when the server has no tokenizer.
+    text: str | None = None
+    # Per output token when asked for: its log-probability, and the most likely (id, logprob).
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # What ended a "stop" request: the token id (int) or the stop string (str).
+    stop_reason: int | str | None = None
+    # Prompt tokens whose KV came from the server's prefix cache.
+    num_cached_tokens: int = 0
+
+
+def stop_reason_of(ev: pb.Event) -> int | str | None:
+    kind = ev.WhichOneof("stop_reason")
+    return None if kind is None else getattr(ev, kind)
 
 
 class ResultBuilder:
@@ -48,20 +73,46 @@ class ResultBuilder:
     def __init__(self, request_id: str = "") -> None:
         self.request_id = request_id
         self.token_ids: list[int] = []
+        self.texts: list[str] | None = None
+        self.logprobs: list[float] | None = None
+        self.top_logprobs: list[list[tuple[int, float]]] | None = None
         self.final: pb.Event | None = None
 
     def add(self, ev: pb.Event) -> None:
         if ev.seq != len(self.token_ids):
             raise RuntimeError(f"event gap for {ev.request_id}: seq {ev.seq}, expected {len(self.token_ids)}")
         self.request_id = ev.request_id
+        if ev.HasField("text"):
+            if self.texts is None:
+                self.texts = []
+            self.texts.append(ev.text)
+        if ev.logprobs:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(ev.logprobs)
+        if ev.top_logprobs:
+            if self.top_logprobs is None:
+                self.top_logprobs = []
+            self.top_logprobs.extend(
+                [(c.token_id, c.logprob) for c in top.candidates] for top in ev.top_logprobs
+            )
         self.token_ids.extend(ev.token_ids)
         if ev.finished:
             self.final = ev
 
+    @property
+    def text(self) -> str | None:
+        return None if self.texts is None else "".join(self.texts)
+
     def result(self) -> Result:
         ev = self.final
+        common = dict(
+            text=self.text,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+        )
         if ev is None:
-            return Result(self.request_id, list(self.token_ids), None)
+            return Result(self.request_id, list(self.token_ids), None, **common)
         return Result(
             request_id=self.request_id,
             token_ids=list(self.token_ids),
@@ -70,15 +121,82 @@ class ResultBuilder:
             num_prompt_tokens=ev.num_prompt_tokens,
             num_output_tokens=ev.num_output_tokens,
             metrics=Metrics.from_proto(ev.metrics),
+            stop_reason=stop_reason_of(ev),
+            num_cached_tokens=ev.num_cached_tokens,
+            **common,
         )
 
 
+def _messages(messages: Iterable[Any]) -> list[pb.ChatMessage]:
+    out = []
+    for m in messages:
+        if isinstance(m, pb.ChatMessage):
+            out.append(m)
+        elif isinstance(m, Mapping):
+            out.append(pb.ChatMessage(role=m["role"], content=m["content"]))
+        else:
+            role, content = m
+            out.append(pb.ChatMessage(role=role, content=content))
+    return out
+
+
 def submit_request(
-    token_ids, max_new_tokens: int | None = None, stop_token_ids=(), request_id: str = ""
+    token_ids: Sequence[int] | None = None,
+    max_new_tokens: int | None = None,
+    stop_token_ids: Sequence[int] | None = (),
+    request_id: str = "",
+    *,
+    text: str | None = None,
+    messages: Iterable[Mapping[str, str] | tuple[str, str] | pb.ChatMessage] | None = None,
+    enable_thinking: bool | None = None,
+    stop_strings: Sequence[str] | None = None,
+    include_stop_string: bool | None = None,
+    skip_special_tokens: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    seed: int | None = None,
+    min_new_tokens: int | None = None,
+    ignore_eos: bool | None = None,
+    logprobs: bool | None = None,
+    top_logprobs: int | None = None,
 ) -> pb.SubmitRequest:
+    """The prompt is exactly one of ``token_ids``, ``text`` or chat ``messages`` (dicts with
+    role and content, or (role, content) pairs); text and messages need a server with a
+    tokenizer. Every other option left at None is not sent: the server's default applies.
+
+    Values the wire cannot carry raise here (TypeError, ValueError); values out of range are
+    the server's to reject (InvalidArgument naming the field).
+    """
+    if isinstance(stop_strings, str):
+        raise TypeError("stop_strings must be a list of strings, not a string")
     req = pb.SubmitRequest(
-        request_id=request_id or "", token_ids=list(token_ids), stop_token_ids=list(stop_token_ids or ())
+        request_id=request_id or "",
+        token_ids=list(token_ids or ()),
+        stop_token_ids=list(stop_token_ids or ()),
+        stop_strings=list(stop_strings or ()),
     )
+    if text is not None:
+        req.text = text
+    if messages is not None:
+        req.messages.extend(_messages(messages))
     if max_new_tokens is not None:
         req.max_new_tokens = max_new_tokens
+    values = dict(
+        enable_thinking=enable_thinking, include_stop_string=include_stop_string,
+        skip_special_tokens=skip_special_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed, min_new_tokens=min_new_tokens,
+        ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
+    )
+    for name, value in values.items():
+        if value is not None:
+            try:
+                setattr(req, name, value)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{name}: {exc}") from None
     return req

@@ -59,3 +59,81 @@ def test_result_builder_detects_gaps_and_reads_final():
                    metrics=pb.RequestMetrics(ttft_s=0.5)))
     r = b.result()
     assert r.token_ids == [1, 2, 3] and r.finish_reason == "stop" and r.metrics.ttft_s == 0.5
+
+
+def test_submit_request_sets_only_the_options_given():
+    from qil_client.results import submit_request
+
+    req = submit_request([1, 2], max_new_tokens=5)
+    for name in ("temperature", "top_k", "top_p", "seed", "logprobs", "skip_special_tokens",
+                 "enable_thinking", "max_new_tokens"):
+        assert req.HasField(name) == (name == "max_new_tokens"), name
+    req = submit_request(text="hi", temperature=0.0, top_k=-1, seed=2**64 - 1, skip_special_tokens=False,
+                         stop_strings=["\n"], logprobs=True, top_logprobs=5)
+    assert req.HasField("temperature") and req.temperature == 0.0  # an explicit zero is sent
+    assert req.top_k == -1 and req.seed == 2**64 - 1 and not req.skip_special_tokens
+    assert req.text == "hi" and list(req.stop_strings) == ["\n"] and not req.token_ids
+    req = submit_request(messages=[{"role": "user", "content": "a"}, ("assistant", "b"),
+                                   pb.ChatMessage(role="user", content="c")], enable_thinking=False)
+    assert [(m.role, m.content) for m in req.messages] == [("user", "a"), ("assistant", "b"), ("user", "c")]
+    assert req.HasField("enable_thinking") and not req.enable_thinking
+    with pytest.raises(TypeError):
+        submit_request([1], temprature=0.5)  # a typo is not silently dropped
+    with pytest.raises(ValueError, match="seed"):
+        submit_request([1], seed=-1)  # the wire cannot carry it
+    with pytest.raises(TypeError):
+        submit_request([1], stop_strings="STOP")
+
+
+def test_result_builder_joins_text_logprobs_and_reads_the_stop_reason():
+    b = ResultBuilder()
+    b.add(pb.Event(request_id="r", seq=0, token_ids=[1, 2], text="ab", logprobs=[-0.1, -0.2],
+                   top_logprobs=[pb.TopLogprobs(candidates=[pb.TokenLogprob(token_id=1, logprob=-0.1)]),
+                                 pb.TopLogprobs(candidates=[pb.TokenLogprob(token_id=2, logprob=-0.2)])]))
+    b.add(pb.Event(request_id="r", seq=2, token_ids=[3], text="", logprobs=[-0.3],
+                   top_logprobs=[pb.TopLogprobs(candidates=[pb.TokenLogprob(token_id=3, logprob=-0.3)])]))
+    b.add(pb.Event(request_id="r", seq=3, finished=True, text="é", finish_reason=pb.FINISH_REASON_STOP,
+                   stop_string="END", num_cached_tokens=16))
+    r = b.result()
+    assert r.text == "abé" and r.logprobs == [-0.1, -0.2, -0.3]
+    assert r.top_logprobs == [[(1, -0.1)], [(2, -0.2)], [(3, -0.3)]]
+    assert r.stop_reason == "END" and r.num_cached_tokens == 16
+    b = ResultBuilder()
+    b.add(pb.Event(request_id="r", seq=0, token_ids=[7], finished=True, finish_reason=pb.FINISH_REASON_STOP,
+                   stop_token_id=7))
+    r = b.result()
+    assert r.stop_reason == 7 and r.text is None and r.logprobs is None
+
+
+def test_failed_precondition_maps_to_its_own_error():
+    err = errors.error_for(grpc.StatusCode.FAILED_PRECONDITION, "text: no tokenizer", "text")
+    assert type(err) is errors.FailedPrecondition and err.field == "text"
+
+
+def _flags(parser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings}
+
+
+def test_client_cli_has_the_sampling_flags_of_the_in_process_cli():
+    import argparse
+
+    from qil_client.__main__ import _parser, add_sampling_arguments, request_kwargs
+    from qil_worker.cli_generate import add_sampling_arguments as worker_flags
+
+    a, b = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_sampling_arguments(a)
+    worker_flags(b)
+    assert _flags(a) == _flags(b)
+    args = _parser().parse_args([
+        "generate", "--prompt", "hi", "--chat", "--system", "be brief", "--no-thinking",
+        "--temperature", "0.7", "--top-p", "0.9", "--seed", "3", "--stop", "END", "--stop", "\n",
+        "--logprobs", "--top-logprobs", "2", "--keep-special-tokens",
+    ])
+    kw = request_kwargs(args)
+    assert kw["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert kw["enable_thinking"] is False and kw["temperature"] == 0.7 and kw["top_p"] == 0.9
+    assert kw["seed"] == 3 and kw["stop_strings"] == ["END", "\n"] and kw["logprobs"] is True
+    assert kw["top_logprobs"] == 2 and kw["skip_special_tokens"] is False
+    assert "top_k" not in kw and "text" not in kw and "token_ids" not in kw
+    kw = request_kwargs(_parser().parse_args(["submit", "--token-ids", "[1,2]"]))
+    assert kw["token_ids"] == [1, 2] and "temperature" not in kw and "skip_special_tokens" not in kw

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from qil_worker.service.cli import add_serve_parser, config_from_args
 
 
@@ -20,8 +22,67 @@ def test_flags_reach_the_engine_and_the_front():
     ]))
     assert cfg.port == 0 and cfg.grace_seconds == 2.5
     assert cfg.front.model == "/m" and cfg.front.max_queued == 4
-    assert cfg.front.engine == dict(num_pages=7, page_size=8, token_budget=9, prefill_chunk=10, max_active=3)
+    assert cfg.front.engine == dict(
+        num_pages=7, page_size=8, token_budget=9, prefill_chunk=10, max_active=3, prefix_cache=True
+    )
     assert cfg.auth_token is None or cfg.auth_token  # from the environment, if any
+    assert cfg.front.kv_memory_bytes is None and cfg.front.kv_memory_fraction is None
+    assert cfg.front.tokenizer is None and cfg.front.use_tokenizer
+
+
+def test_defaults_leave_pool_sizing_and_tokenizer_to_the_worker():
+    cfg = config_from_args(_parse([]))
+    assert cfg.front.engine["num_pages"] is None  # the worker uses 512
+    assert cfg.front.engine["prefix_cache"] is True
+    assert cfg.front.tokenizer is None and cfg.front.use_tokenizer
+
+
+def test_prefix_cache_and_tokenizer_flags():
+    cfg = config_from_args(_parse(["--no-prefix-cache", "--tokenizer", "/tok"]))
+    assert cfg.front.engine["prefix_cache"] is False
+    assert cfg.front.tokenizer == "/tok" and cfg.front.use_tokenizer
+    cfg = config_from_args(_parse(["--no-tokenizer"]))
+    assert not cfg.front.use_tokenizer
+    with pytest.raises(SystemExit):
+        _parse(["--no-tokenizer", "--tokenizer", "/tok"])
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1e9", 10**9), ("1000", 1000), ("2g", 2 * 10**9),
+     ("64KiB", 65536)],
+)
+def test_kv_memory_bytes_accepts_units(text, value):
+    cfg = config_from_args(_parse(["--kv-memory-bytes", text]))
+    assert cfg.front.kv_memory_bytes == value
+    assert cfg.front.engine["num_pages"] is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kv-memory-bytes", "1GiB", "--num-pages", "8"],
+        ["--kv-memory-fraction", "0.5", "--num-pages", "8"],
+        ["--kv-memory-fraction", "0.5", "--kv-memory-bytes", "1GiB"],
+        ["--kv-memory-bytes", "-5"],
+        ["--kv-memory-bytes", "lots"],
+        ["--kv-memory-bytes", "nan"],
+        ["--kv-memory-fraction", "1.5"],
+        ["--kv-memory-fraction", "0"],
+        ["--num-pages", "0"],
+    ],
+)
+def test_pool_sizing_flags_are_exclusive_and_checked(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-memory" in err or "--num-pages" in err
+
+
+def test_kv_memory_fraction_reaches_the_front():
+    cfg = config_from_args(_parse(["--kv-memory-fraction", "0.8"]))
+    assert cfg.front.kv_memory_fraction == 0.8 and cfg.front.engine["num_pages"] is None
 
 
 def test_auth_token_from_flag_or_environment(monkeypatch):

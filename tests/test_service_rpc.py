@@ -14,6 +14,7 @@ from qil_client import (
     AsyncClient,
     Client,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     pb,
@@ -85,6 +86,8 @@ def test_get_info(client, model_dir):
     assert info.pages.used + info.pages.free == info.pages.total
     assert info.worker.state == pb.WORKER_STATE_READY
     assert info.worker.pid > 0
+    assert not info.model.has_tokenizer and not info.model.has_chat_template
+    assert info.prefix_cache.enabled
 
 
 def test_generate_matches_engine_and_reports_metrics(client, model_dir):
@@ -260,6 +263,38 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
         assert exc.value.details.startswith(exc.value.field + ":")
 
 
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(text="hello"), "text"),
+        (dict(messages=[{"role": "user", "content": "hello"}]), "messages"),
+        (dict(token_ids=[1, 2], stop_strings=["x"]), "stop_strings"),
+    ],
+)
+def test_text_without_a_tokenizer_is_failed_precondition(client, kwargs, field):
+    for call in (client.submit, client.generate):
+        with pytest.raises(FailedPrecondition) as exc:
+            call(max_new_tokens=2, **kwargs)
+        assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert exc.value.field == field
+        assert "tokenizer" in exc.value.details
+    assert client.info().num_unfinished == 0
+    # token ids still work, and events carry no text
+    r = client.generate([1, 2], max_new_tokens=2, temperature=0.5, seed=1, logprobs=True)
+    assert r.finish_reason == "length" and r.text is None and len(r.logprobs) == 2
+
+
+def test_text_without_a_tokenizer_in_a_session_is_an_in_band_error(client):
+    with client.session() as s:
+        s.submit(text="hello", request_id="notok-1")
+        s.close()
+        frames = list(s)
+    assert [f.WhichOneof("frame") for f in frames] == ["error"]
+    err = frames[0].error
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and err.field == "text"
+    assert err.request_id == "notok-1" and "tokenizer" in err.message
+
+
 def test_request_larger_than_the_page_pool_is_invalid_argument(client):
     info = client.info()
     assert info.pages.total * info.limits.page_size == POOL_TOKENS < MAX_POSITIONS
@@ -345,3 +380,29 @@ def test_build_event_coalesces_everything_since_the_cursor():
     assert (ev.seq, list(ev.token_ids), cursor, done) == (3, [8], 4, True)
     assert ev.finish_reason == pb.FINISH_REASON_LENGTH and ev.num_output_tokens == 4
     assert ev.num_prompt_tokens == 3 and ev.metrics.num_preemptions == 1
+
+
+def test_build_event_keeps_text_and_logprobs_aligned_with_tokens():
+    from qil_worker.service.front import Req
+    from qil_worker.service.server import build_event
+
+    req = Req("r", prompt_len=2)
+    req.add(5, "a", -0.5, [(5, -0.5), (6, -1.0)])
+    req.add(6, "", -0.25, [(6, -0.25), (5, -2.0)])  # a token ending mid-character
+    req.add(7, "é", -1.5, [(1, -0.1), (7, -1.5)])
+    ev, cursor, done = build_event(req, 1)
+    assert (list(ev.token_ids), ev.text, list(ev.logprobs)) == ([6, 7], "é", [-0.25, -1.5])
+    assert [[(c.token_id, c.logprob) for c in t.candidates] for t in ev.top_logprobs] == [
+        [(6, -0.25), (5, -2.0)], [(1, -0.1), (7, -1.5)]
+    ]
+    req.add(-1, "xy", None, None)  # text released by the end itself (e.g. a held-back prefix)
+    req.final = (1, None, (2, 3, 0.1, 0.2, 0.01, 0.02, 0.3, 0, 0, "STOP"))
+    ev, cursor, done = build_event(req, 3)
+    assert done and list(ev.token_ids) == [] and ev.text == "xy" and ev.stop_string == "STOP"
+    ev, _, _ = build_event(req, 0)
+    assert ev.text == "aéxy" and len(ev.logprobs) == len(ev.top_logprobs) == 3
+    plain = Req("p", prompt_len=1)
+    plain.add(3, None, None, None)
+    plain.final = (1, None, (1, 1, 0.1, 0.2, -1.0, -1.0, 0.3, 0, 0, 3))
+    ev, _, _ = build_event(plain, 0)
+    assert not ev.HasField("text") and not ev.logprobs and ev.stop_token_id == 3

@@ -33,11 +33,35 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the worker")
-    p.add_argument("--num-pages", type=int, default=512)
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=_positive_int, default=None, help="KV pages (default: 512)")
+    pool.add_argument(
+        "--kv-memory-bytes", type=_byte_size, default=None, metavar="N",
+        help="size the KV pool from a byte budget instead of --num-pages (e.g. 4GiB, 512MiB, 1e9)",
+    )
+    pool.add_argument(
+        "--kv-memory-fraction", type=_fraction, default=None, metavar="F",
+        help="size the KV pool from this fraction of the free device memory after loading the "
+        "model (CUDA only)",
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--max-active", type=int, default=64)
+    p.add_argument(
+        "--no-prefix-cache", action="store_true",
+        help="do not reuse the KV of shared prompt prefixes (on by default)",
+    )
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument(
+        "--tokenizer", default=None, metavar="DIR",
+        help="tokenizer directory (default: the model directory's, when it has one and the "
+        "'text' extra is installed)",
+    )
+    tok.add_argument(
+        "--no-tokenizer", action="store_true",
+        help="serve token ids only (requests with text, messages or stop strings fail)",
+    )
     p.add_argument(
         "--max-queued", type=int, default=1024,
         help="unfinished requests admitted beyond --max-active; more is RESOURCE_EXHAUSTED",
@@ -62,6 +86,46 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
+_UNITS = {
+    "": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def _byte_size(text: str) -> int:
+    """``4GiB``, ``512MiB``, ``1e9``, ``1000000`` → bytes."""
+    raw = text.strip().lower().replace("_", "")
+    number = raw.rstrip("kmgtib")
+    unit = raw[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive byte size like 4GiB or 512MiB, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     token = args.auth_token if args.auth_token is not None else os.environ.get("QIL_AUTH_TOKEN")
     return ServeConfig(
@@ -83,7 +147,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                 token_budget=args.token_budget,
                 prefill_chunk=args.prefill_chunk,
                 max_active=args.max_active,
+                prefix_cache=not args.no_prefix_cache,
             ),
+            kv_memory_bytes=args.kv_memory_bytes,
+            kv_memory_fraction=args.kv_memory_fraction,
+            tokenizer=args.tokenizer,
+            use_tokenizer=not args.no_tokenizer,
             max_queued=args.max_queued,
             max_restarts=args.max_restarts,
             retain_finished=args.retain_finished,

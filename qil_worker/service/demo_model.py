@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"  # v2: the tokenizer has a chat template
 DEMO_NAME = "demo"
 DEMO_SEED = 20240611
 # 256 byte tokens + 3 special tokens, padded to 320.
@@ -149,6 +149,15 @@ def write_demo_checkpoint(path: Path) -> Path:
     return path
 
 
+# Qwen3's chat format, reduced: messages, the generation prompt and the enable_thinking switch.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+
 def _write_tokenizer(path: Path) -> bool:
     """A byte-level BPE tokenizer without merges (one token per byte), if ``tokenizers`` exists."""
     try:
@@ -164,7 +173,11 @@ def _write_tokenizer(path: Path) -> bool:
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": SPECIAL_TOKENS[2], "model_max_length": 2048}, indent=2) + "\n"
+        json.dumps(
+            {"eos_token": SPECIAL_TOKENS[2], "model_max_length": 2048, "chat_template": CHAT_TEMPLATE},
+            indent=2,
+        )
+        + "\n"
     )
     return True
 

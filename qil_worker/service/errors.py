@@ -34,6 +34,7 @@ _WORKER_KIND_TO_CODE = {
     protocol.ERR_INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     protocol.ERR_CAPACITY: grpc.StatusCode.INVALID_ARGUMENT,
     protocol.ERR_DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    protocol.ERR_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     protocol.ERR_INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
@@ -48,6 +49,8 @@ def classify_engine_error(exc: BaseException) -> tuple[str, str | None, str]:
     message = str(exc)
     if field and message.startswith(f"{field}: "):
         message = message[len(field) + 2 :]
+    if "TokenizerUnavailableError" in names:
+        return protocol.ERR_PRECONDITION, None, message
     if "DuplicateRequestError" in names:
         return protocol.ERR_DUPLICATE, field or "request_id", message
     if "CapacityError" in names:

@@ -58,6 +58,12 @@ class FrontConfig:
     dtype: str | None = None
     threads: int | None = None
     engine: dict[str, Any] = field(default_factory=dict)
+    # KV pool from a byte budget or a fraction of free device memory instead of engine["num_pages"]
+    kv_memory_bytes: int | None = None
+    kv_memory_fraction: float | None = None
+    # None: the model directory's tokenizer when it has one; a path: that tokenizer
+    tokenizer: str | None = None
+    use_tokenizer: bool = True
     max_queued: int = 1024
     max_restarts: int = 5
     restart_backoff_s: float = 0.5
@@ -69,14 +75,26 @@ class FrontConfig:
 
 
 class Req:
-    """One request as the front sees it: its output so far and, once over, its final record."""
+    """One request as the front sees it: its output so far and, once over, its final record.
 
-    __slots__ = ("rid", "prompt_len", "tokens", "final", "lost", "listeners")
+    Per output token i: ``tokens[i]``, and when the worker sends them ``texts[i]`` (the text
+    delta that token released), ``logprobs[i]`` and ``top[i]``. Parallel lists, so a follower
+    starting at any cursor gets aligned slices.
+    """
+
+    __slots__ = (
+        "rid", "prompt_len", "tokens", "texts", "logprobs", "top", "final_text", "final", "lost",
+        "listeners",
+    )
 
     def __init__(self, rid: str, prompt_len: int) -> None:
         self.rid = rid
         self.prompt_len = prompt_len
         self.tokens: list[int] = []
+        self.texts: list[str] | None = None  # None: the worker has no tokenizer
+        self.logprobs: list[float] | None = None  # None: not asked for
+        self.top: list[list[tuple[int, float]]] | None = None
+        self.final_text = ""  # text released by the end itself (no token of its own)
         # (finish_code, error, final_tuple_or_None) once the request is over
         self.final: tuple[int, str | None, tuple | None] | None = None
         self.lost = False  # ended because the worker died
@@ -85,6 +103,26 @@ class Req:
     @property
     def done(self) -> bool:
         return self.final is not None
+
+    def add(self, token: int, text: str | None, logprob: float | None, top: list | None) -> None:
+        """One event of the worker: a token (``token >= 0``) or the end's own text."""
+        if text is not None and self.texts is None:
+            self.texts = [""] * len(self.tokens)
+        if token < 0:
+            if text:
+                self.final_text += text
+            return
+        self.tokens.append(token)
+        if self.texts is not None:
+            self.texts.append(text or "")
+        if logprob is not None:
+            if self.logprobs is None:
+                self.logprobs = [0.0] * (len(self.tokens) - 1)
+            self.logprobs.append(logprob)
+        if top is not None:
+            if self.top is None:
+                self.top = [[] for _ in range(len(self.tokens) - 1)]
+            self.top.append(top)
 
 
 class Follower:
@@ -162,7 +200,7 @@ class Front:
         self._next_ticket = 0
         self.num_unfinished = 0
         self.num_requests_total = 0
-        self.stats: tuple[int, ...] = (0, 0, 0, 0, 0)
+        self.stats: tuple = P.EMPTY_STATS
         self.info: dict[str, Any] = {}
         self.state = WorkerState.STARTING
         self.restarts = 0
@@ -213,6 +251,10 @@ class Front:
             "dtype": self.config.dtype,
             "threads": self.config.threads,
             "engine": dict(self.config.engine),
+            "kv_memory_bytes": self.config.kv_memory_bytes,
+            "kv_memory_fraction": self.config.kv_memory_fraction,
+            "tokenizer": self.config.tokenizer,
+            "use_tokenizer": self.config.use_tokenizer,
             "log_level": self.config.log_level,
         }
         proc = ctx.Process(target=worker_main, args=(child, wcfg), name="qil-worker", daemon=True)
@@ -244,8 +286,10 @@ class Front:
         self._ready_since = time.monotonic()
         self._set_state(WorkerState.READY)
         log.info(
-            "worker ready (pid %d): model %s%s", proc.pid, info.get("name"),
-            " [DEMO: random weights]" if info.get("demo") else "",
+            "worker ready (pid %d): model %s%s; %s; tokenizer: %s; prefix cache: %s",
+            proc.pid, info.get("name"), " [DEMO: random weights]" if info.get("demo") else "",
+            info.get("kv_pool", "KV pool: ?"), info.get("tokenizer") or "none (token ids only)",
+            "on" if info.get("prefix_cache") else "off",
         )
 
     def _on_message(self, gen: int, msg: Any) -> None:
@@ -298,7 +342,8 @@ class Front:
                 self._finished(req)
                 for listener in list(req.listeners):
                     listener.worker_lost(req)
-        self.stats = (self.stats[0], 0, self.stats[0], 0, 0)
+        total = self.stats[0]
+        self.stats = (total, 0, total, 0, 0, 0, *self.stats[6:])
 
     async def _restart(self, dead: _Worker) -> None:
         loop = asyncio.get_running_loop()
@@ -328,17 +373,19 @@ class Front:
     # ---------------------------------------------------------------- batches from the worker
 
     def _on_batch(self, acks: list, events: list, stats: tuple, tickets: list) -> None:
-        for rid, err in acks:
+        for rid, err, num_prompt_tokens in acks:
+            req = self.requests.get(rid)
+            if err is None and req is not None:
+                req.prompt_len = num_prompt_tokens  # known once the worker encoded the prompt
             fut = self._acks.pop(rid, None)
             if fut is not None and not fut.done():
-                fut.set_result(err)
+                fut.set_result((err, num_prompt_tokens))
         touched: dict[str, Req] = {}
-        for rid, token, _index, code, error, final in events:
+        for rid, token, _index, code, error, final, text, logprob, top in events:
             req = self.requests.get(rid)
             if req is None or req.final is not None:
                 continue
-            if token >= 0:
-                req.tokens.append(token)
+            req.add(token, text, logprob, top)
             if code:
                 req.final = (code, error, final)
                 self._finished(req)
@@ -385,11 +432,16 @@ class Front:
     async def submit(
         self,
         request_id: str,
-        token_ids: Iterable[int],
+        token_ids: Iterable[int] | None,
         max_new_tokens: int,
         stop_token_ids: Iterable[int] = (),
+        options: dict[str, Any] | None = None,
     ) -> Req:
-        """Queue a request in the worker; returns once the engine accepted it."""
+        """Queue a request in the worker; returns once the engine accepted it.
+
+        ``token_ids`` None: the prompt is ``options["text"]`` or ``options["messages"]``;
+        ``options``: further ``Engine.submit`` keyword arguments (see ``requests.submit_args``).
+        """
         if len(request_id) > limits.MAX_REQUEST_ID_LENGTH:
             raise invalid(
                 "request_id", f"at most {limits.MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}"
@@ -403,17 +455,17 @@ class Front:
             raise resource_exhausted(
                 f"{self.num_unfinished} unfinished requests; the server admits {self.max_unfinished}"
             )
-        tokens = list(token_ids)
-        req = Req(rid, len(tokens))
+        tokens = None if token_ids is None else list(token_ids)
+        req = Req(rid, len(tokens or ()))
         self._retained.pop(rid, None)
         self.requests[rid] = req
         self.num_unfinished += 1
         self._idle.clear()
         fut = asyncio.get_running_loop().create_future()
         self._acks[rid] = fut
-        self._send((P.SUBMIT, rid, tokens, int(max_new_tokens), list(stop_token_ids)))
+        self._send((P.SUBMIT, rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(options or {})))
         try:
-            err = await fut
+            err, num_prompt_tokens = await fut
         except asyncio.CancelledError:
             self._send((P.CANCEL, rid))  # the caller is gone; the request must not run on
             raise
@@ -432,6 +484,7 @@ class Front:
                     self.num_unfinished = 0
                     self._idle.set()
             raise from_worker_rejection(*err)
+        req.prompt_len = num_prompt_tokens
         self.num_requests_total += 1
         return req
 
@@ -474,7 +527,7 @@ class Front:
             result.append((rid, active))
         return result
 
-    async def fresh_stats(self, timeout: float = 2.0) -> tuple[int, ...]:
+    async def fresh_stats(self, timeout: float = 2.0) -> tuple:
         """Page pool and queue numbers straight from the worker (cached ones if it is busy)."""
         if self.state != WorkerState.READY or self._worker is None:
             return self.stats

@@ -6,6 +6,10 @@ MAX_REQUEST_ID_LENGTH = 128
 # A prompt of 1M token ids is ~5 MB on the wire; anything larger is refused by gRPC itself.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_NEW_TOKENS = 16
+# Stop strings of one request: the worker matches them against the text after every token, so
+# their number and length bound that per-token cost.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LENGTH = 256
 # Finished requests kept for late subscribers: at most this many, for at most this long.
 RETAIN_FINISHED = 4096
 RETAIN_SECONDS = 600.0

@@ -18,7 +18,9 @@ that step, the answers to the submits it drained, and the page-pool numbers), ne
 
 Front → worker (tuples, first item a tag):
 
-* ``(SUBMIT, request_id, token_ids, max_new_tokens, stop_token_ids)``
+* ``(SUBMIT, request_id, token_ids_or_None, max_new_tokens, stop_token_ids, options)`` where
+  ``options`` is a dict of further ``Engine.submit`` keyword arguments (text, messages,
+  stop_strings, sampling fields...), only those the client set
 * ``(CANCEL, request_id)``
 * ``(STATS, ticket)``  — answered in the next batch
 * ``(STOP,)``          — finish: cancel everything, close the engine, exit 0
@@ -27,15 +29,19 @@ Worker → front:
 
 * ``(READY, info_dict)`` once, after the model is loaded and warmed up
 * ``(BATCH, acks, events, stats, tickets)`` once per loop iteration, where
-  ``acks`` is a list of ``(request_id, error)`` for each drained SUBMIT (``error`` is None when
-  accepted, else ``(kind, field, message)``), ``events`` a list of event tuples (below),
-  ``stats`` a tuple ``STATS_FIELDS`` and ``tickets`` the STATS tickets this batch answers.
+  ``acks`` is a list of ``(request_id, error, num_prompt_tokens)`` for each drained SUBMIT
+  (``error`` is None when accepted, else ``(kind, field, message)``), ``events`` a list of event
+  tuples (below), ``stats`` a tuple ``STATS_FIELDS`` and ``tickets`` the STATS tickets this
+  batch answers.
 * ``(FATAL, message)`` the worker cannot start (bad model directory...) and exits.
 
-An event tuple is ``(request_id, token_id_or_-1, index, finish_code, error, final)`` where
-``finish_code`` is 0 while running, else one of ``FINISH_CODES``; ``final`` is None for a token
-event, else ``(num_prompt_tokens, num_output_tokens, queue_time, ttft, mean_itl, max_itl, e2e,
-num_preemptions)`` with -1.0 for a timing that does not exist.
+An event tuple is ``(request_id, token_id_or_-1, index, finish_code, error, final, text,
+logprob, top_logprobs)`` where ``finish_code`` is 0 while running, else one of ``FINISH_CODES``;
+``text`` the new text (None without a tokenizer), ``logprob`` a float or None and
+``top_logprobs`` a list of ``(token_id, logprob)`` or None; ``final`` is None for a token event,
+else ``(num_prompt_tokens, num_output_tokens, queue_time, ttft, mean_itl, max_itl, e2e,
+num_preemptions, num_cached_tokens, stop_reason)`` with -1.0 for a timing that does not exist
+and ``stop_reason`` an int (token id), a str (stop string) or None.
 """
 
 from __future__ import annotations
@@ -53,10 +59,15 @@ FATAL = "F"
 FINISH_CODES = {"stop": 1, "length": 2, "cancelled": 3, "error": 4}
 FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
 
-STATS_FIELDS = ("pages_total", "pages_used", "pages_free", "num_running", "num_waiting")
+STATS_FIELDS = (
+    "pages_total", "pages_used", "pages_free", "num_running", "num_waiting", "pages_cached",
+    "prefix_cache_hit_rate",
+)
+EMPTY_STATS = (0, 0, 0, 0, 0, 0, 0.0)
 
 # error kinds in submit acks → status codes (mapped in qil_worker.service.errors)
 ERR_INVALID = "invalid"
 ERR_CAPACITY = "capacity"
 ERR_DUPLICATE = "duplicate"
+ERR_PRECONDITION = "precondition"  # e.g. text sent to a worker without a tokenizer
 ERR_INTERNAL = "internal"

@@ -24,6 +24,7 @@ from qil_worker.service.auth import BearerTokenInterceptor
 from qil_worker.service.errors import ServiceError, not_found, invalid, unavailable
 from qil_worker.service.front import Follower, Front, FrontConfig, Req, WorkerFailed, WorkerState
 from qil_worker.service.health import SERVICE_NAME, Health
+from qil_worker.service.requests import submit_args
 
 log = logging.getLogger("qil.server")
 
@@ -33,7 +34,7 @@ SERVER_VERSION = "0.1.0"
 def _metrics(final: tuple | None) -> pb.RequestMetrics | None:
     if final is None:
         return None
-    _, _, queue, ttft, mean_itl, max_itl, e2e, preempt = final
+    queue, ttft, mean_itl, max_itl, e2e, preempt = final[2:8]
     return pb.RequestMetrics(
         queue_time_s=max(queue, 0.0),
         ttft_s=max(ttft, 0.0),
@@ -55,6 +56,15 @@ def build_event(req: Req, cursor: int) -> tuple[pb.Event | None, int, bool]:
     if cursor >= n and final is None:
         return None, cursor, False
     ev = pb.Event(request_id=req.rid, seq=cursor, token_ids=req.tokens[cursor:])
+    if req.texts is not None:
+        ev.text = "".join(req.texts[cursor:]) + (req.final_text if final is not None else "")
+    if req.logprobs is not None:
+        ev.logprobs.extend(req.logprobs[cursor:])
+    if req.top is not None:
+        for top in req.top[cursor:]:
+            ev.top_logprobs.add().candidates.extend(
+                pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top
+            )
     if final is not None:
         code, error, record = final
         ev.finished = True
@@ -66,13 +76,21 @@ def build_event(req: Req, cursor: int) -> tuple[pb.Event | None, int, bool]:
         metrics = _metrics(record)
         if metrics is not None:
             ev.metrics.CopyFrom(metrics)
+        if record is not None and len(record) >= 10:
+            ev.num_cached_tokens = record[8]
+            stop = record[9]
+            if isinstance(stop, str):
+                ev.stop_string = stop
+            elif stop is not None:
+                ev.stop_token_id = stop
     return ev, n, final is not None
 
 
-def _max_new_tokens(request: pb.SubmitRequest) -> int:
-    if request.HasField("max_new_tokens"):
-        return request.max_new_tokens
-    return limits.DEFAULT_MAX_NEW_TOKENS
+async def _submit(front: Front, request: pb.SubmitRequest) -> Req:
+    args = submit_args(request)
+    return await front.submit(
+        args.request_id, args.token_ids, args.max_new_tokens, args.stop_token_ids, args.options
+    )
 
 
 class _Session:
@@ -134,15 +152,15 @@ class _Session:
         if kind == "submit":
             s = frame.submit
             try:
-                req = await front.submit(
-                    s.request_id, s.token_ids, _max_new_tokens(s), s.stop_token_ids
-                )
+                req = await _submit(front, s)
             except ServiceError as err:
                 if err.code == grpc.StatusCode.UNAVAILABLE:
                     self.fault = err
                 return self._error(s.request_id, err), None
             self.owned.add(req.rid)
-            resp = pb.StreamEventsResponse(submitted=pb.SubmitResponse(request_id=req.rid))
+            resp = pb.StreamEventsResponse(
+                submitted=pb.SubmitResponse(request_id=req.rid, num_prompt_tokens=req.prompt_len)
+            )
             return resp, (lambda: self._add_sub(req, 0))
         if kind == "cancel":
             results = await front.cancel(frame.cancel.request_ids)
@@ -220,12 +238,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
         try:
-            req = await self.front.submit(
-                request.request_id, request.token_ids, _max_new_tokens(request), request.stop_token_ids
-            )
+            req = await _submit(self.front, request)
         except ServiceError as err:
             await err.abort(context)
-        return pb.SubmitResponse(request_id=req.rid)
+        return pb.SubmitResponse(request_id=req.rid, num_prompt_tokens=req.prompt_len)
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         results = await self.front.cancel(request.request_ids)
@@ -235,9 +251,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request: pb.SubmitRequest, context) -> AsyncIterator[pb.Event]:
         try:
-            req = await self.front.submit(
-                request.request_id, request.token_ids, _max_new_tokens(request), request.stop_token_ids
-            )
+            req = await _submit(self.front, request)
         except ServiceError as err:
             await err.abort(context)
         follower = Follower()
@@ -271,7 +285,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         front = self.front
-        total, used, free, running, waiting = await front.fresh_stats()
+        total, used, free, running, waiting, cached, hit_rate = await front.fresh_stats()
         info = front.info
         eng = front.config.engine
         return pb.GetInfoResponse(
@@ -285,6 +299,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 device=info.get("device", front.config.device),
                 num_hidden_layers=info.get("num_hidden_layers", 0),
                 hidden_size=info.get("hidden_size", 0),
+                has_tokenizer=bool(info.get("has_tokenizer")),
+                has_chat_template=bool(info.get("has_chat_template")),
             ),
             limits=pb.EngineLimits(
                 page_size=info.get("page_size", eng.get("page_size", 0)),
@@ -294,13 +310,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 max_queued=front.config.max_queued,
                 max_request_id_length=limits.MAX_REQUEST_ID_LENGTH,
             ),
-            pages=pb.PagePool(total=total, used=used, free=free),
+            pages=pb.PagePool(
+                total=total, used=used, free=free, cached=cached, page_bytes=info.get("page_bytes", 0)
+            ),
             num_running=running,
             num_waiting=waiting,
             worker=pb.WorkerInfo(state=int(front.state), restarts=front.restarts, pid=front.worker_pid),
             server_version=SERVER_VERSION,
             num_unfinished=front.num_unfinished,
             num_requests_total=front.num_requests_total,
+            prefix_cache=pb.PrefixCacheInfo(
+                enabled=bool(info.get("prefix_cache")), hit_rate=float(hit_rate)
+            ),
         )
 
 

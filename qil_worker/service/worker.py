@@ -61,10 +61,14 @@ def worker_main(conn: Any, config: dict[str, Any]) -> None:
     sys.exit(code)
 
 
+DEFAULT_NUM_PAGES = 512
+
+
 def _load(config: dict[str, Any]):
     import torch
 
     from qil_worker.engine import Engine
+    from qil_worker.engine.memory import size_pool
     from qil_worker.model import Qwen3
 
     if config.get("threads"):
@@ -78,9 +82,20 @@ def _load(config: dict[str, Any]):
         log.info("serving the embedded DEMO model (random weights) from %s", model_dir)
     t0 = time.perf_counter()
     model = Qwen3.from_directory(model_dir, device=config.get("device", "cpu"), dtype=config.get("dtype"))
-    engine = Engine(model, **config.get("engine", {}))
-    _warm_up(engine, model.config.vocab_size)
     cfg = model.config
+    tokenizer, tokenizer_dir = _load_tokenizer(config, model_dir, cfg.vocab_size)
+    engine_kw = dict(config.get("engine", {}))
+    num_pages = engine_kw.pop("num_pages", None)
+    memory_bytes = config.get("kv_memory_bytes")
+    memory_fraction = config.get("kv_memory_fraction")
+    if num_pages is None and memory_bytes is None and memory_fraction is None:
+        num_pages = DEFAULT_NUM_PAGES
+    pool = size_pool(
+        model, int(engine_kw.get("page_size", 16)), num_pages=num_pages,
+        memory_bytes=memory_bytes, memory_fraction=memory_fraction,
+    )
+    engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, **engine_kw)
+    _warm_up(engine, cfg.vocab_size)
     stats = engine.stats()
     info = {
         "name": "demo" if demo else str(model_dir),
@@ -92,6 +107,12 @@ def _load(config: dict[str, Any]):
         "device": str(getattr(model, "device", config.get("device", "cpu"))),
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
+        "has_tokenizer": tokenizer is not None,
+        "has_chat_template": bool(getattr(tokenizer, "chat_template", None)),
+        "tokenizer": tokenizer_dir,
+        "prefix_cache": engine.prefix_cache is not None,
+        "kv_pool": pool.summary(),
+        "page_bytes": pool.page_bytes,
         "page_size": stats.page_size,
         "token_budget": stats.token_budget,
         "prefill_chunk": stats.prefill_chunk,
@@ -99,8 +120,53 @@ def _load(config: dict[str, Any]):
         "pid": os.getpid(),
         "stats": _stats(engine),
     }
-    log.info("model %s loaded and warm in %.2fs", info["name"], time.perf_counter() - t0)
+    log.info(
+        "model %s loaded and warm in %.2fs; %s; tokenizer: %s; prefix cache: %s",
+        info["name"], time.perf_counter() - t0, pool.summary(), tokenizer_dir or "none",
+        "on" if info["prefix_cache"] else "off",
+    )
     return engine, info
+
+
+def _load_tokenizer(config: dict[str, Any], model_dir: str, vocab_size: int) -> tuple[Any, str | None]:
+    """The tokenizer lives in the worker, next to the engine, and not in the front.
+
+    The engine detokenizes every token and matches stop strings in the same step that produced
+    the token, so a request ends exactly where its stop string appears (no token is generated,
+    and no KV page held, past it) and text deltas leave the worker already whole characters.
+    Doing this in the front would need a round trip per token to stop, and would pull
+    transformers (and its import time and memory) into the process that must stay light.
+
+    ``config["tokenizer"]``: a directory (must load), or None for the model directory's own
+    tokenizer when it has one and transformers is installed (otherwise: serve token ids only).
+    ``config["use_tokenizer"]`` False disables it.
+    """
+    from qil_worker.errors import TokenizerUnavailableError
+    from qil_worker.text import load_tokenizer
+    from qil_worker.text.tokenizer import has_tokenizer_files
+
+    if not config.get("use_tokenizer", True):
+        return None, None
+    explicit = config.get("tokenizer")
+    path = explicit or model_dir
+    if explicit is None:
+        if not has_tokenizer_files(path):
+            log.info("no tokenizer files in %s: serving token ids only", path)
+            return None, None
+        try:
+            tokenizer = load_tokenizer(path)
+        except TokenizerUnavailableError as exc:
+            log.warning("serving token ids only: %s", exc)
+            return None, None
+    else:
+        tokenizer = load_tokenizer(path)  # asked for explicitly: failing to load is fatal
+    size = len(tokenizer)
+    if size > vocab_size:
+        raise TokenizerUnavailableError(
+            f"the tokenizer of {path} has {size} tokens but the model's vocabulary has only "
+            f"{vocab_size}: they do not belong together"
+        )
+    return tokenizer, str(path)
 
 
 def _warm_up(engine: Any, vocab_size: int) -> None:
@@ -113,15 +179,27 @@ def _warm_up(engine: Any, vocab_size: int) -> None:
 
 def _stats(engine: Any) -> tuple[int, ...]:
     s = engine.stats()
-    return (s.num_pages_total, s.num_pages_used, s.num_pages_free, s.num_running, s.num_waiting)
+    return (
+        s.num_pages_total, s.num_pages_used, s.num_pages_free, s.num_running, s.num_waiting,
+        s.num_pages_cached, float(s.prefix_cache_hit_rate),
+    )
 
 
 def _opt(value: float | None) -> float:
     return -1.0 if value is None else float(value)
 
 
+def _rejection(exc: BaseException, options: dict[str, Any]) -> tuple[str, str | None, str]:
+    kind, field, message = classify_engine_error(exc)
+    if kind == P.ERR_PRECONDITION and field is None:
+        # name what needed the tokenizer
+        field = next((k for k in ("text", "messages", "stop_strings") if options.get(k)), None)
+    return kind, field, message
+
+
 def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
     finish_codes = P.FINISH_CODES
+    stop_code = finish_codes["stop"]
     while True:
         if engine.idle:
             # Block (no spinning) until the front sends something; check now and then that the
@@ -137,17 +215,18 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
             msg = conn.recv()
             tag = msg[0]
             if tag == P.SUBMIT:
-                _, rid, token_ids, max_new_tokens, stop_ids = msg
+                _, rid, token_ids, max_new_tokens, stop_ids, options = msg
                 try:
                     engine.submit(
-                        list(token_ids),
+                        token_ids,
                         max_new_tokens=max_new_tokens,
                         stop_token_ids=list(stop_ids) or None,
                         request_id=rid,
+                        **options,
                     )
-                    acks.append((rid, None))
+                    acks.append((rid, None, len(engine.result(rid).prompt_token_ids)))
                 except Exception as exc:  # noqa: BLE001 - rejected in-band, the worker goes on
-                    acks.append((rid, classify_engine_error(exc)))
+                    acks.append((rid, _rejection(exc, options), 0))
             elif tag == P.CANCEL:
                 engine.cancel(msg[1])
             elif tag == P.STATS:
@@ -163,7 +242,6 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
                     code = finish_codes.get(getattr(ev.finish_reason, "value", ev.finish_reason), 4)
                     try:
                         r = engine.result(ev.request_id)
-                        e2e = r.completion_time
                         final = (
                             len(r.prompt_token_ids),
                             len(r.output_token_ids),
@@ -171,13 +249,18 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
                             _opt(r.ttft),
                             _opt(r.mean_inter_token_latency),
                             _opt(r.max_inter_token_latency),
-                            _opt(e2e),
+                            _opt(r.completion_time),
                             int(r.num_preemptions),
+                            int(r.num_cached_tokens),
+                            r.stop_reason if code == stop_code else None,
                         )
                         engine.release(ev.request_id)
                     except Exception:  # noqa: BLE001 - metrics are best effort
                         log.debug("no result for %s: %s", ev.request_id, traceback.format_exc())
-                        final = (0, ev.index + (ev.token_id is not None), -1.0, -1.0, -1.0, -1.0, -1.0, 0)
+                        final = (
+                            0, ev.index + (ev.token_id is not None), -1.0, -1.0, -1.0, -1.0, -1.0,
+                            0, 0, ev.stop_reason if code == stop_code else None,
+                        )
                 events.append(
                     (
                         ev.request_id,
@@ -186,6 +269,9 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
                         code,
                         ev.error,
                         final,
+                        ev.text,
+                        ev.logprob,
+                        ev.top_logprobs,
                     )
                 )
         if acks or events or tickets:

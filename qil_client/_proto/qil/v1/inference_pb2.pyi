@@ -37,22 +37,68 @@ WORKER_STATE_FAILED: WorkerState
 WORKER_STATE_STOPPING: WorkerState
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "max_new_tokens", "stop_token_ids")
+    __slots__ = ("request_id", "token_ids", "text", "messages", "enable_thinking", "max_new_tokens", "stop_token_ids", "stop_strings", "include_stop_string", "skip_special_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "ignore_eos", "logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    enable_thinking: bool
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    include_stop_string: bool
+    skip_special_tokens: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_new_tokens: int
+    ignore_eos: bool
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "num_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -133,33 +179,59 @@ class RequestMetrics(_message.Message):
     def __init__(self, queue_time_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., mean_itl_s: _Optional[float] = ..., max_itl_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("request_id", "seq", "token_ids", "finished", "finish_reason", "error", "num_prompt_tokens", "num_output_tokens", "metrics")
+    __slots__ = ("request_id", "seq", "token_ids", "text", "logprobs", "top_logprobs", "finished", "finish_reason", "error", "num_prompt_tokens", "num_output_tokens", "metrics", "num_cached_tokens", "stop_token_id", "stop_string")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     finished: bool
     finish_reason: FinishReason
     error: str
     num_prompt_tokens: int
     num_output_tokens: int
     metrics: RequestMetrics
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
+    num_cached_tokens: int
+    stop_token_id: int
+    stop_string: str
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("candidates",)
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    candidates: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, candidates: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "demo", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "num_hidden_layers", "hidden_size")
+    __slots__ = ("name", "demo", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "num_hidden_layers", "hidden_size", "has_tokenizer", "has_chat_template")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEMO_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +241,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     demo: bool
     vocab_size: int
@@ -178,7 +252,9 @@ class ModelInfo(_message.Message):
     device: str
     num_hidden_layers: int
     hidden_size: int
-    def __init__(self, name: _Optional[str] = ..., demo: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    has_tokenizer: bool
+    has_chat_template: bool
+    def __init__(self, name: _Optional[str] = ..., demo: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class EngineLimits(_message.Message):
     __slots__ = ("page_size", "token_budget", "prefill_chunk", "max_active", "max_queued", "max_request_id_length")
@@ -197,14 +273,26 @@ class EngineLimits(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_active: _Optional[int] = ..., max_queued: _Optional[int] = ..., max_request_id_length: _Optional[int] = ...) -> None: ...
 
 class PagePool(_message.Message):
-    __slots__ = ("total", "used", "free")
+    __slots__ = ("total", "used", "free", "cached", "page_bytes")
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     total: int
     used: int
     free: int
-    def __init__(self, total: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ...) -> None: ...
+    cached: int
+    page_bytes: int
+    def __init__(self, total: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class PrefixCacheInfo(_message.Message):
+    __slots__ = ("enabled", "hit_rate")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    hit_rate: float
+    def __init__(self, enabled: _Optional[bool] = ..., hit_rate: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("state", "restarts", "pid")
@@ -217,7 +305,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "limits", "pages", "num_running", "num_waiting", "worker", "server_version", "num_unfinished", "num_requests_total")
+    __slots__ = ("model", "limits", "pages", "num_running", "num_waiting", "worker", "server_version", "num_unfinished", "num_requests_total", "prefix_cache")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +315,7 @@ class GetInfoResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_UNFINISHED_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model: ModelInfo
     limits: EngineLimits
     pages: PagePool
@@ -236,4 +325,5 @@ class GetInfoResponse(_message.Message):
     server_version: str
     num_unfinished: int
     num_requests_total: int
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., limits: _Optional[_Union[EngineLimits, _Mapping]] = ..., pages: _Optional[_Union[PagePool, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., num_unfinished: _Optional[int] = ..., num_requests_total: _Optional[int] = ...) -> None: ...
+    prefix_cache: PrefixCacheInfo
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., limits: _Optional[_Union[EngineLimits, _Mapping]] = ..., pages: _Optional[_Union[PagePool, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., num_unfinished: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ...) -> None: ...

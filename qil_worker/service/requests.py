@@ -1,0 +1,69 @@
+"""A ``SubmitRequest`` → the arguments of ``Engine.submit`` (front side, torch-free).
+
+Only what the wire format itself cannot say is checked here (which prompt form, proto3 presence,
+limits that protect the worker); every value range is checked once, by the engine, whose
+``InvalidRequestError.field`` uses the same names as the proto fields and reaches the caller
+through ``errors.classify_engine_error``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from qil_client._proto.qil.v1 import inference_pb2 as pb
+from qil_worker.service import limits
+from qil_worker.service.errors import invalid
+
+# Optional SubmitRequest fields passed to Engine.submit under the same name when set.
+OPTIONAL_FIELDS = (
+    "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "min_new_tokens", "ignore_eos", "logprobs", "top_logprobs",
+    "include_stop_string", "skip_special_tokens", "enable_thinking",
+)
+
+
+@dataclass
+class SubmitArgs:
+    request_id: str
+    token_ids: list[int] | None  # None: the prompt is text or messages (in options)
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Engine.submit
+
+
+def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
+    """Raise ``ServiceError`` (INVALID_ARGUMENT) for what only the wire form can get wrong."""
+    options: dict[str, Any] = {}
+    given = [name for name, present in (
+        ("token_ids", bool(request.token_ids)),
+        ("text", bool(request.text)),
+        ("messages", bool(request.messages)),
+    ) if present]
+    if len(given) > 1:
+        raise invalid(given[1], f"give exactly one of token_ids, text or messages, not {' and '.join(given)}")
+    if not given:
+        raise invalid("token_ids", "the prompt is empty: give token_ids, text or messages")
+    token_ids: list[int] | None = None
+    if given[0] == "token_ids":
+        token_ids = list(request.token_ids)
+    elif given[0] == "text":
+        options["text"] = request.text
+    else:
+        options["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+    stops = list(request.stop_strings)
+    if stops:
+        if len(stops) > limits.MAX_STOP_STRINGS:
+            raise invalid("stop_strings", f"at most {limits.MAX_STOP_STRINGS}, got {len(stops)}")
+        for s in stops:
+            if not s or len(s) > limits.MAX_STOP_STRING_LENGTH:
+                raise invalid(
+                    "stop_strings",
+                    f"each must have 1 to {limits.MAX_STOP_STRING_LENGTH} characters, got {len(s)}",
+                )
+        options["stop_strings"] = stops
+    for name in OPTIONAL_FIELDS:
+        if request.HasField(name):
+            options[name] = getattr(request, name)
+    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.DEFAULT_MAX_NEW_TOKENS
+    return SubmitArgs(request.request_id, token_ids, max_new, list(request.stop_token_ids), options)
