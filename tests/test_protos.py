@@ -78,6 +78,7 @@ def test_client_does_not_import_torch():
     mods = _modules_after_import("import qil_client, qil_client.aio, qil_client.__main__")
     assert "qil_client" in mods
     assert "torch" not in mods
+    assert not any(m == "qil_worker" or m.startswith("qil_worker.") for m in mods)
 
 
 def test_front_does_not_import_torch():
@@ -87,3 +88,4 @@ def test_front_does_not_import_torch():
     )
     assert "qil_worker.service.server" in mods
     assert "torch" not in mods, "the front (and qil_worker/__init__) must not import torch"
+    assert "transformers" not in mods and "tokenizers" not in mods, "the tokenizer lives in the worker"

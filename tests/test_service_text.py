@@ -122,6 +122,20 @@ def test_seeded_sampling_and_logprobs_match_the_in_process_engine(server, client
     assert again.token_ids == want.output_token_ids and again.text == want.output_text
 
 
+def test_every_other_knob_reaches_the_engine(client, reference):
+    kw = dict(text="hello", max_new_tokens=20, temperature=0.8, min_p=0.05, presence_penalty=0.5,
+              frequency_penalty=-0.3, min_new_tokens=20, seed=99, skip_special_tokens=False,
+              logprobs=True)
+    want, _ = reference.run(**kw)
+    r = client.generate(**kw)
+    assert r.token_ids == want.output_token_ids and r.num_output_tokens == 20  # min_new_tokens: no EOS
+    assert r.text == want.output_text == reference.tokenizer.decode(
+        r.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    assert r.logprobs == pytest.approx(client.generate(**kw).logprobs, abs=0)  # reproducible
+    assert client.generate(**{**kw, "presence_penalty": 0.0}).token_ids != r.token_ids
+
+
 def test_without_logprobs_events_carry_none(client):
     events, r = collect(client.stream(text="hello", max_new_tokens=4, temperature=0.5, seed=1))
     assert r.logprobs is None and r.top_logprobs is None
