@@ -34,8 +34,10 @@ Checked at the end (exit status 1 when one fails; 2 when the load test itself ca
   accepted, and the worker did not restart.
 * ``pages_free``: after a settle wait GetInfo shows no page used, nothing unfinished, running or
   waiting.
-* ``memory``: resident memory (VmRSS) of the front (``--server-pid``) and of its worker process
-  is within ``--rss-tolerance`` of the baseline (skipped without ``--server-pid``).
+* ``memory``: resident memory (VmRSS) of the front (``--server-pid``) plus its worker process is
+  within ``--rss-tolerance`` of the baseline (each process on its own with ``--rss-per-process``;
+  skipped without ``--server-pid``). The front keeps up to --retain-finished finished requests
+  for late subscribers, so it grows until that store is full (a few MB for 4096 requests).
 * ``consistent_outputs``: greedy decoding is deterministic, so all requests with the same prompt
   produced prefixes of one sequence (a KV page handed to two requests, or a stale prefix-cache
   page, shows up here). ``--no-consistency`` turns it off for sampling servers.
@@ -76,6 +78,10 @@ MAX_REQUESTS_PER_CLIENT = 1_000_000  # a bound on every client loop besides the 
 MAX_EXAMPLES = 20  # problems kept per invariant in the report
 
 
+class Unusable(Exception):
+    """The load test cannot run as asked (bad target, wrong --server-pid, ...): exit status 2."""
+
+
 # ---------------------------------------------------------------------------- per-request record
 
 
@@ -101,6 +107,7 @@ class Rec:
     error: str | None = None  # status code name of a failed RPC
     cancel_sent: bool = False
     cancel_was_active: bool | None = None
+    preemptions: int = 0  # the server's count (final event metrics)
     replay_tokens: list[int] | None = None  # late subscription after a disconnect
     problems: dict[str, list[str]] = field(default_factory=dict)
 
@@ -159,6 +166,7 @@ class EventChecker:
                 rec.problem("gap_free", f"{n} tokens for max_new_tokens {rec.max_new}")
             if ev.finish_reason == pb.FINISH_REASON_LENGTH and n != rec.max_new:
                 rec.problem("gap_free", f"finish=length after {n} of {rec.max_new} tokens")
+            rec.preemptions = ev.metrics.num_preemptions
 
     def close(self, primary: bool) -> None:
         """The stream ended: exactly one final event must have come (unless we left early)."""
@@ -191,14 +199,14 @@ def make_workload(args, info: pb.GetInfoResponse) -> Workload:
     rng = random.Random(args.seed)
     vocab = args.vocab or info.model.vocab_size
     if vocab <= 0:
-        raise SystemExit("error: vocab size unknown (GetInfo gave 0): pass --vocab")
+        raise Unusable("vocab size unknown (GetInfo gave 0): pass --vocab")
     lo_p, hi_p = args.prompt_len_range
     lo_n, hi_n = args.max_new_range
     limit = info.model.max_position_embeddings or (hi_p + hi_n)
     pool_tokens = info.pages.total * info.limits.page_size or limit
     cap = min(limit, pool_tokens)
     if lo_p + lo_n > cap:
-        raise SystemExit(f"error: the smallest request ({lo_p}+{lo_n} tokens) exceeds the server's {cap}")
+        raise Unusable(f"the smallest request ({lo_p}+{lo_n} tokens) exceeds the server's {cap}")
     hi_p = min(hi_p, cap - lo_n)
     hi_n = min(hi_n, cap - hi_p)
     bases = [[rng.randrange(vocab) for _ in range(hi_p)] for _ in range(max(1, args.prompt_pool // 6))]
@@ -460,21 +468,20 @@ def child_pids(pid: int) -> list[int]:
 
 
 def server_memory(front_pid: int | None, worker_pid: int) -> dict[str, int]:
-    """VmRSS in KiB of the front and its worker (the worker pid from GetInfo, or else the
-    front's only child)."""
+    """VmRSS in KiB of the front and of its worker (the pid GetInfo gives, which must be a child
+    of the front: else ``--server-pid`` names some other process and the check would be void)."""
     if not front_pid:
         return {}
-    mem: dict[str, int] = {}
     front = rss_kb(front_pid)
-    if front is not None:
-        mem["front"] = front
-    children = child_pids(front_pid)
-    if not worker_pid and len(children) == 1:
-        worker_pid = children[0]
-    if worker_pid:
-        w = rss_kb(worker_pid)
-        if w is not None:
-            mem["worker"] = w
+    if front is None:
+        raise Unusable(f"no process {front_pid} (--server-pid)")
+    if worker_pid not in child_pids(front_pid):
+        raise Unusable(f"the server's worker (pid {worker_pid}) is not a child of "
+                         f"--server-pid {front_pid}: pass the pid of `python -m qil_worker serve`")
+    mem = {"front": front}
+    worker = rss_kb(worker_pid)
+    if worker is not None:
+        mem["worker"] = worker
     return mem
 
 
@@ -552,13 +559,17 @@ def evaluate(args, recs: list[Rec], before: pb.GetInfoResponse, after: pb.GetInf
         put("memory", [], "no --server-pid", skipped=True)
     else:
         mem = []
-        for name, kb in mem_before.items():
-            now = mem_after.get(name)
-            if now is None:
+        checked = dict(mem_before) if args.rss_per_process else {"total": sum(mem_before.values())}
+        now_all = dict(mem_after) if args.rss_per_process else {"total": sum(mem_after.values())}
+        for name, kb in checked.items():
+            now = now_all.get(name)
+            if now is None or set(mem_after) != set(mem_before):
                 mem.append(f"{name}: process gone")
             elif abs(now - kb) > args.rss_tolerance * kb:
                 mem.append(f"{name}: VmRSS {kb} KiB -> {now} KiB ({(now - kb) / kb:+.1%})")
-        put("memory", mem, ", ".join(f"{k} {mem_before[k]}->{mem_after.get(k)} KiB" for k in mem_before))
+        scope = "each process" if args.rss_per_process else "front + worker"
+        put("memory", mem, f"{scope} within {args.rss_tolerance:.0%}: " + ", ".join(
+            f"{k} {mem_before[k]}->{mem_after.get(k)} KiB" for k in mem_before))
     if args.no_consistency:
         put("consistent_outputs", [], "off", skipped=True)
     else:
@@ -588,6 +599,7 @@ def figures(recs: list[Rec], elapsed: float) -> dict[str, Any]:
         "ttft_ms": {f"p{q}": ms(pct(ttft, q)) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": ms(pct(itl, q)) for q in (50, 90, 99)},
         "ttft_samples": len(ttft), "itl_samples": len(itl),
+        "preemptions": sum(r.preemptions for r in recs),
     }
 
 
@@ -599,6 +611,7 @@ def print_summary(report: dict[str, Any]) -> None:
         ("requests", f"{f['requests']}  ({f['requests_per_s']}/s)"),
         ("completed / cancelled / failed", f"{f['completed']} / {f['cancelled']} / {f['failed']}"),
         ("errors", json.dumps(f["errors"]) if f["errors"] else "-"),
+        ("preemptions (server)", str(f["preemptions"])),
         ("output tokens", f"{f['output_tokens']}  ({f['output_tokens_per_s']} tok/s over {f['elapsed_s']}s)"),
         ("TTFT p50 / p90 / p99 ms", " / ".join(str(f["ttft_ms"][k]) for k in ("p50", "p90", "p99"))),
         ("ITL p50 / p90 / p99 ms", " / ".join(str(f["itl_ms"][k]) for k in ("p50", "p90", "p99"))),
@@ -624,7 +637,7 @@ def loopback_target(target: str) -> str:
     """Only a loopback HOST:PORT is accepted: this tool is for servers on this machine."""
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit():
-        raise SystemExit(f"error: --target must be HOST:PORT, got {target!r}")
+        raise Unusable(f"--target must be HOST:PORT, got {target!r}")
     host = host.strip("[]")
     try:
         addrs = {ipaddress.ip_address(host)}
@@ -632,9 +645,9 @@ def loopback_target(target: str) -> str:
         try:
             addrs = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(host, int(port))}
         except OSError as exc:
-            raise SystemExit(f"error: cannot resolve {host!r}: {exc}") from None
+            raise Unusable(f"cannot resolve {host!r}: {exc}") from None
     if not addrs or not all(a.is_loopback for a in addrs):
-        raise SystemExit(f"error: {target!r} is not a loopback address")
+        raise Unusable(f"{target!r} is not a loopback address")
     return target
 
 
@@ -673,6 +686,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=10.0, help="seconds to wait for the pool to drain")
     p.add_argument("--server-pid", type=int, default=None, help="front pid: check resident memory")
     p.add_argument("--rss-tolerance", type=float, default=0.10)
+    p.add_argument(
+        "--rss-per-process", action="store_true",
+        help="hold the front and the worker to the tolerance each (default: their sum). The front "
+        "legitimately grows while it fills its store of finished requests (--retain-finished)",
+    )
     p.add_argument("--no-consistency", action="store_true", help="do not compare outputs (sampling)")
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
@@ -684,7 +702,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--max-new-range starts at 1 or more")
     if args.prompt_len_range[0] < 1:
         p.error("--prompt-len-range starts at 1 or more")
-    args.target = loopback_target(args.target)
+    try:
+        args.target = loopback_target(args.target)
+    except Unusable as exc:
+        p.error(str(exc))
     if args.warmup is None:
         args.warmup = min(5.0, args.duration / 4)
     return args
@@ -694,7 +715,8 @@ async def amain(args) -> dict[str, Any]:
     async with AsyncClient(args.target) as ac:
         info = await ac.info(timeout=30)
         if info.worker.state != pb.WORKER_STATE_READY:
-            raise SystemExit(f"error: worker is {pb.WorkerState.Name(info.worker.state)}")
+            raise Unusable(f"worker is {pb.WorkerState.Name(info.worker.state)}")
+        server_memory(args.server_pid, info.worker.pid)  # a wrong --server-pid fails now
         wl = make_workload(args, info)
         nonce = secrets.token_hex(3)  # request ids unique across runs against one server
         warm: list[Rec] = []
@@ -731,6 +753,9 @@ def main(argv: list[str] | None = None) -> int:
         report = asyncio.run(amain(args))
     except QilError as err:
         print(f"error: the server failed outside of a request: {err}", file=sys.stderr)
+        return 2
+    except Unusable as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print_summary(report)
     if args.json:

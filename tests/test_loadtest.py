@@ -64,10 +64,13 @@ def test_short_load_test_passes_every_invariant(tiny_dir, tmp_path):
     proc, target = start_server(tiny_dir, tmp_path / "server.log")
     try:
         out = run_loadtest("--target", target, "--concurrency", "8", "--duration", "6",
-                           "--warmup", "2", "--seed", "3", "--server-pid", str(proc.pid),
+                           "--warmup", "2", "--seed", "3", "--server-pid", str(proc.pid), "--rss-per-process",
                            "--json", str(tmp_path / "report.json"))
+        # a --server-pid that is not this server's front would make the memory check void
+        wrong = run_loadtest("--target", target, "--duration", "1", "--server-pid", str(os.getpid()))
     finally:
         stop_server(proc)
+    assert wrong.returncode == 2 and "is not a child of --server-pid" in wrong.stderr, wrong.stderr
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "RESULT: PASS" in out.stdout and "TTFT p50" in out.stdout
     report = json.loads((tmp_path / "report.json").read_text())
