@@ -45,4 +45,11 @@ class DuplicateRequestError(InvalidRequestError):
 
 
 class TokenizerUnavailableError(QilError):
-    """Text was asked for but no tokenizer is loaded (FAILED_PRECONDITION over gRPC)."""
+    """Text was asked for but no tokenizer is loaded (FAILED_PRECONDITION over gRPC).
+
+    ``field`` names the part of the request that needed it (text, messages, stop_strings).
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field

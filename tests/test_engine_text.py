@@ -91,6 +91,7 @@ def test_chat_messages_use_the_template(engine, tokenizer):
         kwargs = {} if thinking is None else {"enable_thinking": thinking}
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         assert engine.result(rid).prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+        assert engine.num_prompt_tokens(rid) == len(engine.result(rid).prompt_token_ids)
         assert ("<think>" in rendered) == (thinking is False)
     run_to_completion(engine)
 
@@ -105,9 +106,10 @@ def test_text_errors(engine, text_dir):
         engine.submit([1, 2], stop_strings="STOP")
     assert info.value.field == "stop_strings"
     bare = Engine(Qwen3.from_directory(text_dir), num_pages=8, page_size=8)
-    with pytest.raises(TokenizerUnavailableError):
-        bare.submit(text="hello")
-    with pytest.raises(TokenizerUnavailableError):
-        bare.submit([1, 2], stop_strings=["x"])
+    for kwargs, field in ((dict(text="hello"), "text"), (dict(messages=[{"role": "user", "content": "x"}]), "messages"),
+                          (dict(token_ids=[1, 2], stop_strings=["x"]), "stop_strings")):
+        with pytest.raises(TokenizerUnavailableError) as info:
+            bare.submit(**kwargs)
+        assert info.value.field == field
     with pytest.raises(TokenizerUnavailableError, match="no tokenizer files"):
         load_tokenizer(text_dir / "nonexistent")

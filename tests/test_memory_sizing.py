@@ -32,3 +32,10 @@ def test_rejects_impossible_sizing(model):
         size_pool(model, 4, num_pages=3, memory_bytes=10_000)
     with pytest.raises(ValueError, match="CUDA"):
         size_pool(model, 4, memory_fraction=0.5)
+
+
+def test_format_bytes_picks_a_readable_unit():
+    from qil_worker.engine.memory import format_bytes
+
+    assert [format_bytes(n) for n in (512, 65536, 3 * 2**20, 5 * 2**30)] == [
+        "512 B", "64.0 KiB", "3.0 MiB", "5.0 GiB"]

@@ -148,7 +148,7 @@ def test_serve_kv_budget_no_prefix_cache_and_tokenizer_dir(tmp_path, text_dir):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         log = "".join(err_lines)
-        assert "KV pool: 16 pages x 8 tokens = 128 tokens, 0.1 MiB (budget of 0.1 MiB)" in log
+        assert "KV pool: 16 pages x 8 tokens = 128 tokens, 64.0 KiB (budget of 64.0 KiB)" in log
         assert f"tokenizer: {text_dir}" in log and "prefix cache: off" in log
     finally:
         if proc.poll() is None:

@@ -133,7 +133,9 @@ class Engine:
                 raise InvalidRequestError("prompt", "give token ids, text or messages, not several")
             token_ids = encode_prompt(self.tokenizer, text, messages, enable_thinking)
         if stop_strings and self.tokenizer is None:
-            raise TokenizerUnavailableError("stop strings need a tokenizer; this engine has none")
+            raise TokenizerUnavailableError(
+                "stop strings need a tokenizer; this engine has none", field="stop_strings"
+            )
         if stop_strings is not None and (
             isinstance(stop_strings, str) or not all(isinstance(x, str) and x for x in stop_strings)
         ):
@@ -279,6 +281,10 @@ class Engine:
     def result(self, request_id: str) -> Result:
         """The request as it stands (finished or not); known until ``release``."""
         return self._get(request_id).result()
+
+    def num_prompt_tokens(self, request_id: str) -> int:
+        """The prompt's length in tokens (after encoding text or rendering chat messages)."""
+        return len(self._get(request_id).prompt_token_ids)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request so a long-running engine keeps bounded memory."""

@@ -34,8 +34,16 @@ class PoolSize:
     def summary(self) -> str:
         return (
             f"KV pool: {self.num_pages} pages x {self.page_size} tokens = {self.num_tokens} tokens, "
-            f"{self.total_bytes / 2**20:.1f} MiB ({self.reason})"
+            f"{format_bytes(self.total_bytes)} ({self.reason})"
         )
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def size_pool(
@@ -58,9 +66,11 @@ def size_pool(
         return PoolSize(num_pages, page_size, page_bytes, "explicit page count")
     if memory_bytes is not None:
         if memory_bytes < page_bytes:
-            raise ValueError(f"kv memory budget {memory_bytes} B is below one page ({page_bytes} B)")
+            raise ValueError(
+                f"kv memory budget {format_bytes(memory_bytes)} is below one page ({format_bytes(page_bytes)})"
+            )
         return PoolSize(
-            memory_bytes // page_bytes, page_size, page_bytes, f"budget of {memory_bytes / 2**20:.1f} MiB"
+            memory_bytes // page_bytes, page_size, page_bytes, f"budget of {format_bytes(memory_bytes)}"
         )
     assert memory_fraction is not None
     if not 0.0 < memory_fraction < 1.0:

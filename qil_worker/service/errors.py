@@ -50,7 +50,7 @@ def classify_engine_error(exc: BaseException) -> tuple[str, str | None, str]:
     if field and message.startswith(f"{field}: "):
         message = message[len(field) + 2 :]
     if "TokenizerUnavailableError" in names:
-        return protocol.ERR_PRECONDITION, None, message
+        return protocol.ERR_PRECONDITION, field, message
     if "DuplicateRequestError" in names:
         return protocol.ERR_DUPLICATE, field or "request_id", message
     if "CapacityError" in names:

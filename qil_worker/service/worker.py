@@ -189,14 +189,6 @@ def _opt(value: float | None) -> float:
     return -1.0 if value is None else float(value)
 
 
-def _rejection(exc: BaseException, options: dict[str, Any]) -> tuple[str, str | None, str]:
-    kind, field, message = classify_engine_error(exc)
-    if kind == P.ERR_PRECONDITION and field is None:
-        # name what needed the tokenizer
-        field = next((k for k in ("text", "messages", "stop_strings") if options.get(k)), None)
-    return kind, field, message
-
-
 def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
     finish_codes = P.FINISH_CODES
     stop_code = finish_codes["stop"]
@@ -224,9 +216,9 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
                         request_id=rid,
                         **options,
                     )
-                    acks.append((rid, None, len(engine.result(rid).prompt_token_ids)))
+                    acks.append((rid, None, engine.num_prompt_tokens(rid)))
                 except Exception as exc:  # noqa: BLE001 - rejected in-band, the worker goes on
-                    acks.append((rid, _rejection(exc, options), 0))
+                    acks.append((rid, classify_engine_error(exc), 0))
             elif tag == P.CANCEL:
                 engine.cancel(msg[1])
             elif tag == P.STATS:

@@ -21,7 +21,10 @@ def encode_prompt(
     ``enable_thinking`` is Qwen3's switch for its reasoning block; None leaves the template's default.
     """
     if tokenizer is None:
-        raise TokenizerUnavailableError("this server has no tokenizer: send token ids instead of text")
+        raise TokenizerUnavailableError(
+            "this server has no tokenizer: send token ids instead of text",
+            field="text" if text is not None else "messages",
+        )
     if (text is None) == (messages is None):
         raise InvalidRequestError("prompt", "give exactly one of text or messages")
     if text is not None:
@@ -36,7 +39,9 @@ def encode_prompt(
                 f"messages[{i}]", f"needs a role in {list(ROLES)} and a string content"
             )
     if not getattr(tokenizer, "chat_template", None):
-        raise TokenizerUnavailableError("the tokenizer has no chat template: send text or token ids")
+        raise TokenizerUnavailableError(
+            "the tokenizer has no chat template: send text or token ids", field="messages"
+        )
     kwargs: dict[str, Any] = {"add_generation_prompt": True}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
