@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from qil_client import AsyncClient, QilError, pb  # noqa: E402
+from qil_client.errors import error_for  # noqa: E402
 
 FINISH = {
     pb.FINISH_REASON_STOP: "stop",
@@ -346,7 +347,7 @@ class Runner:
                     cancel_answers.append(resp.cancelled)
                 elif kind == "error":
                     e = resp.error
-                    raise QilError(_code(e.code), f"in-band error ({e.field}): {e.message}")
+                    raise error_for(e.code, f"in-band: {e.message}", e.field)
                 elif kind == "event":
                     check.add(resp.event, time.perf_counter())
                     if resp.event.finished:
@@ -387,12 +388,6 @@ class Runner:
         rec.replay_tokens = check.tokens
         if check.tokens[: len(seen)] != seen:
             rec.problem("gap_free", "late replay does not start with the tokens seen before disconnecting")
-
-
-def _code(value: int):
-    import grpc
-
-    return {c.value[0]: c for c in grpc.StatusCode}.get(value, grpc.StatusCode.UNKNOWN)
 
 
 # ---------------------------------------------------------------------------- the run
