@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 
-from qil_worker.service import limits
+from qil_worker.service import limits, logs
 from qil_worker.service.front import FrontConfig
 from qil_worker.service.server import ServeConfig, serve
 
@@ -83,7 +82,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--tls-client-ca", default=None, help="PEM CA; requires client certificates")
+    p.add_argument(
+        "--max-stream-backlog", type=int, default=limits.MAX_STREAM_BACKLOG, metavar="TOKENS",
+        help="a streaming call whose client falls more than this many tokens behind (with one "
+        "write stuck for a second) ends with "
+        "RESOURCE_EXHAUSTED and its requests are cancelled (0: no bound)",
+    )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-format", choices=logs.FORMATS, default="text",
+        help="json: one JSON object per line (ts, level, logger, message, process, request_id)",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client; "
+        "default: off)",
+    )
+    p.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (default: --host)")
 
 
 _UNITS = {
@@ -136,6 +151,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         front=FrontConfig(
             model=args.model,
             device=args.device,
@@ -158,16 +175,22 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             retain_finished=args.retain_finished,
             retain_seconds=args.retain_seconds,
             log_level=args.log_level.upper(),
+            log_format=args.log_format,
+            max_stream_backlog=args.max_stream_backlog,
         ),
     )
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s [%(name)s] %(message)s",
-        stream=sys.stderr,
-    )
+    logs.setup(args.log_level.upper(), args.log_format)
+    if args.metrics_port is not None:
+        from qil_worker.service.metrics import MetricsUnavailable, require_prometheus
+
+        try:
+            require_prometheus()
+        except MetricsUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2

@@ -72,6 +72,10 @@ class FrontConfig:
     retain_finished: int = limits.RETAIN_FINISHED
     retain_seconds: float = limits.RETAIN_SECONDS
     log_level: str = "INFO"
+    log_format: str = "text"  # or "json" (the worker logs in the same format)
+    # A streaming call (Generate, StreamEvents) whose reader leaves more than this many produced
+    # tokens unwritten is ended with RESOURCE_EXHAUSTED and its requests are cancelled.
+    max_stream_backlog: int = limits.MAX_STREAM_BACKLOG
 
 
 class Req:
@@ -126,15 +130,43 @@ class Req:
 
 
 class Follower:
-    """Wakes one coroutine whenever a request it follows has news."""
+    """Wakes one coroutine whenever a request it follows has news.
 
-    __slots__ = ("_event", "lost")
+    With ``max_backlog``, it also watches how far its reader is behind: ``written`` is the
+    cursor up to which the follower's events have been written to the client and
+    ``writing_since`` when the write in flight started (None: none is). When the request has
+    produced more than ``max_backlog`` tokens past ``written`` while one write has been pending
+    for ``limits.STREAM_STALL_S`` (the client stopped reading and HTTP/2 flow control holds the
+    writer), ``on_backlog`` is called once and ``exhausted`` is set. A follower that is merely
+    waiting for news is never behind: its next event takes everything at once. The stall time
+    keeps a reader that is only briefly slow (a busy host) from being cut off.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = (
+        "_event", "lost", "written", "writing_since", "max_backlog", "exhausted", "on_backlog",
+    )
+
+    def __init__(self, max_backlog: int | None = None, on_backlog: Callable[[Req], Any] | None = None) -> None:
         self._event = asyncio.Event()
         self.lost = False
+        self.written = 0
+        self.writing_since: float | None = None
+        self.max_backlog = max_backlog
+        self.exhausted = False
+        self.on_backlog = on_backlog
 
     def wake(self, req: Req) -> None:
+        if (
+            self.max_backlog is not None
+            and self.writing_since is not None
+            and not self.exhausted
+            and req.final is None
+            and len(req.tokens) - self.written > self.max_backlog
+            and time.monotonic() - self.writing_since >= limits.STREAM_STALL_S
+        ):
+            self.exhausted = True
+            if self.on_backlog is not None:
+                self.on_backlog(req)
         self._event.set()
 
     def worker_lost(self, req: Req) -> None:
@@ -215,6 +247,7 @@ class Front:
         self._restart_task: asyncio.Task | None = None
         self.on_state_change: Callable[[WorkerState], Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.metrics: Any = None  # a metrics.Metrics when --metrics-port is given
 
     # ---------------------------------------------------------------- worker lifecycle
 
@@ -256,6 +289,7 @@ class Front:
             "tokenizer": self.config.tokenizer,
             "use_tokenizer": self.config.use_tokenizer,
             "log_level": self.config.log_level,
+            "log_format": self.config.log_format,
         }
         proc = ctx.Process(target=worker_main, args=(child, wcfg), name="qil-worker", daemon=True)
         self._ready_fut = loop.create_future()
@@ -301,7 +335,7 @@ class Front:
             return
         tag = msg[0]
         if tag == P.BATCH:
-            self._on_batch(msg[1], msg[2], msg[3], msg[4])
+            self._on_batch(msg[1], msg[2], msg[3], msg[4], msg[5] if len(msg) > 5 else None)
         elif tag == P.READY:
             if self._ready_fut is not None and not self._ready_fut.done():
                 self._ready_fut.set_result(msg[1])
@@ -344,6 +378,8 @@ class Front:
                     listener.worker_lost(req)
         total = self.stats[0]
         self.stats = (total, 0, total, 0, 0, 0, *self.stats[6:])
+        if self.metrics is not None:
+            self.metrics.on_stats(self.stats, self.num_unfinished)
 
     async def _restart(self, dead: _Worker) -> None:
         loop = asyncio.get_running_loop()
@@ -364,6 +400,8 @@ class Front:
                 return
             try:
                 self.restarts += 1
+                if self.metrics is not None:
+                    self.metrics.on_restart()
                 await self._spawn()
                 return
             except WorkerFailed as exc:
@@ -372,7 +410,9 @@ class Front:
 
     # ---------------------------------------------------------------- batches from the worker
 
-    def _on_batch(self, acks: list, events: list, stats: tuple, tickets: list) -> None:
+    def _on_batch(
+        self, acks: list, events: list, stats: tuple, tickets: list, step: tuple | None = None
+    ) -> None:
         for rid, err, num_prompt_tokens in acks:
             req = self.requests.get(rid)
             if err is None and req is not None:
@@ -394,12 +434,16 @@ class Front:
             for listener in list(req.listeners):
                 listener.wake(req)
         self.stats = tuple(stats)
+        if self.metrics is not None:
+            self.metrics.on_step(step)
+            self.metrics.on_stats(self.stats, self.num_unfinished)
         for ticket in tickets:
             fut = self._tickets.pop(ticket, None)
             if fut is not None and not fut.done():
                 fut.set_result(self.stats)
 
     def _finished(self, req: Req) -> None:
+        self._report_finished(req)
         self.num_unfinished -= 1
         if self.num_unfinished <= 0:
             self.num_unfinished = 0
@@ -416,6 +460,40 @@ class Front:
             old = self.requests.get(rid)
             if old is not None and old.final is not None:
                 del self.requests[rid]
+
+    def _report_finished(self, req: Req) -> None:
+        """One INFO line per finished request, and its metrics."""
+        assert req.final is not None
+        code, error, record = req.final
+        reason = P.FINISH_NAMES.get(code, "error")
+        n_out = len(req.tokens)
+        fields: dict[str, Any] = {
+            "reason": reason, "prompt_tokens": req.prompt_len, "output_tokens": n_out,
+        }
+        timing = ""
+        if record is not None:
+            queue, ttft, mean_itl, max_itl, e2e, preempt = record[2:8]
+            for name, value in (("queue_s", queue), ("ttft_s", ttft), ("mean_itl_s", mean_itl),
+                                ("max_itl_s", max_itl), ("e2e_s", e2e)):
+                fields[name] = round(value, 6) if value >= 0 else None
+            fields["preemptions"] = preempt
+            fields["cached_tokens"] = record[8] if len(record) > 8 else 0
+            timing = " ttft=%s itl=%s e2e=%s" % tuple(
+                "-" if fields[k] is None else f"{fields[k] * 1000:.1f}ms"
+                for k in ("ttft_s", "mean_itl_s", "e2e_s")
+            )
+        if error:
+            fields["error"] = error
+        log.info(
+            "finished: reason=%s tokens_in=%d tokens_out=%d%s%s", reason, req.prompt_len, n_out,
+            timing, f" error={error!r}" if error else "",
+            extra={"request_id": req.rid, "fields": fields},
+        )
+        if self.metrics is not None:
+            try:
+                self.metrics.on_finished(reason, req.prompt_len, n_out, record)
+            except Exception:  # noqa: BLE001 - metrics never break serving
+                log.exception("metrics update failed")
 
     # ---------------------------------------------------------------- operations for handlers
 
@@ -486,6 +564,10 @@ class Front:
             raise from_worker_rejection(*err)
         req.prompt_len = num_prompt_tokens
         self.num_requests_total += 1
+        log.debug(
+            "submitted: tokens_in=%d max_new_tokens=%d", num_prompt_tokens, max_new_tokens,
+            extra={"request_id": rid},
+        )
         return req
 
     def cancel_nowait(self, rid: str) -> bool:

@@ -16,6 +16,12 @@ RETAIN_SECONDS = 600.0
 # Frames of one StreamEvents session being answered at once (bounds that session's memory; the
 # session stops reading frames until its answers are written).
 MAX_PENDING_FRAMES = 256
+# Produced-but-unwritten tokens a streaming call may fall behind before it is ended with
+# RESOURCE_EXHAUSTED (and its requests cancelled): a client that stops reading holds its pages.
+MAX_STREAM_BACKLOG = 4096
+# ...counted only once one write to that client has been pending this long (a reader that is
+# merely slow for a moment on a busy host is not cut off).
+STREAM_STALL_S = 1.0
 
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -28,11 +28,12 @@ Front → worker (tuples, first item a tag):
 Worker → front:
 
 * ``(READY, info_dict)`` once, after the model is loaded and warmed up
-* ``(BATCH, acks, events, stats, tickets)`` once per loop iteration, where
+* ``(BATCH, acks, events, stats, tickets, step)`` once per loop iteration, where
   ``acks`` is a list of ``(request_id, error, num_prompt_tokens)`` for each drained SUBMIT
   (``error`` is None when accepted, else ``(kind, field, message)``), ``events`` a list of event
-  tuples (below), ``stats`` a tuple ``STATS_FIELDS`` and ``tickets`` the STATS tickets this
-  batch answers.
+  tuples (below), ``stats`` a tuple ``STATS_FIELDS``, ``tickets`` the STATS tickets this
+  batch answers and ``step`` ``(seconds, batch_size)`` of the ``engine.step()`` this iteration
+  ran (wall time around the call; batch size: distinct requests with events), or None.
 * ``(FATAL, message)`` the worker cannot start (bad model directory...) and exits.
 
 An event tuple is ``(request_id, token_id_or_-1, index, finish_code, error, final, text,

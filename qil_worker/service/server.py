@@ -11,6 +11,7 @@ import collections
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -21,7 +22,13 @@ from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_worker.service import limits
 from qil_worker.service.auth import BearerTokenInterceptor
-from qil_worker.service.errors import ServiceError, not_found, invalid, unavailable
+from qil_worker.service.errors import (
+    ServiceError,
+    invalid,
+    not_found,
+    resource_exhausted,
+    unavailable,
+)
 from qil_worker.service.front import Follower, Front, FrontConfig, Req, WorkerFailed, WorkerState
 from qil_worker.service.health import SERVICE_NAME, Health
 from qil_worker.service.requests import submit_args
@@ -93,11 +100,34 @@ async def _submit(front: Front, request: pb.SubmitRequest) -> Req:
     )
 
 
+def _backlog_bound(front: Front) -> int | None:
+    bound = front.config.max_stream_backlog
+    return bound if bound and bound > 0 else None
+
+
+def _backlog_error(bound: int) -> ServiceError:
+    return resource_exhausted(
+        f"the client fell more than {bound} tokens behind this stream; its request(s) were cancelled"
+    )
+
+
+def _stream_fell_behind(front: Front, rids: list[str], bound: int) -> None:
+    for rid in rids:
+        log.warning(
+            "stream reader more than %d tokens behind: cancelling", bound, extra={"request_id": rid}
+        )
+        front.cancel_nowait(rid)
+    if front.metrics is not None:
+        front.metrics.on_backlog_exceeded()
+
+
 class _Session:
     """One StreamEvents call: frames in, events and answers out, bounded memory."""
 
     def __init__(self, front: Front) -> None:
         self.front = front
+        self.max_backlog = _backlog_bound(front)
+        self.writing_since: float | None = None  # monotonic time the pending write started
         self.subs: dict[str, list] = {}  # rid -> [req, cursor]
         self.dirty: dict[str, None] = {}  # rids with news, in arrival order
         self.control: collections.deque = collections.deque()  # futures of answers, in order
@@ -110,8 +140,22 @@ class _Session:
 
     # listener interface (see front.Follower)
     def wake(self, req: Req) -> None:
-        if req.rid in self.subs:
+        entry = self.subs.get(req.rid)
+        if entry is not None:
             self.dirty[req.rid] = None
+            bound = self.max_backlog
+            if (
+                bound is not None
+                and self.fault is None
+                and req.final is None
+                and len(req.tokens) - entry[1] > bound
+                and self.writing_since is not None
+                and time.monotonic() - self.writing_since >= limits.STREAM_STALL_S
+            ):
+                # the client stopped reading: gRPC flow control holds our writes while the
+                # worker goes on producing; end the stream and free the pages of its requests
+                self.fault = _backlog_error(bound)
+                _stream_fell_behind(self.front, sorted(self.owned | {req.rid}), bound)
             self.wakeup.set()
 
     def worker_lost(self, req: Req) -> None:
@@ -197,12 +241,16 @@ class _Session:
                 self.slots.release()
                 resp, action = task.result()
                 if resp is not None:
+                    self.writing_since = time.monotonic()
                     yield resp
+                    self.writing_since = None
                 if action is not None:
                     action()
             if self.fault is not None:
                 await self.fault.abort(context)
             while self.dirty:
+                if self.fault is not None:
+                    await self.fault.abort(context)
                 rid = next(iter(self.dirty))
                 del self.dirty[rid]
                 entry = self.subs.get(rid)
@@ -219,7 +267,9 @@ class _Session:
                     self.owned.discard(rid)
                     req.listeners.discard(self)
                 if ev is not None:
+                    self.writing_since = time.monotonic()
                     yield pb.StreamEventsResponse(event=ev)
+                    self.writing_since = None
             if self.half_closed and not self.control and not self.subs:
                 return
 
@@ -254,16 +304,24 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             req = await _submit(self.front, request)
         except ServiceError as err:
             await err.abort(context)
-        follower = Follower()
+        bound = _backlog_bound(self.front)
+        follower = Follower(
+            bound, None if bound is None else (lambda r: _stream_fell_behind(self.front, [r.rid], bound))
+        )
         req.listeners.add(follower)
         cursor, done = 0, False
         try:
             while True:
                 if follower.lost:
                     await unavailable("worker process died").abort(context)
+                if follower.exhausted:
+                    await _backlog_error(bound).abort(context)
                 ev, cursor, done = build_event(req, cursor)
                 if ev is not None:
-                    yield ev
+                    follower.writing_since = time.monotonic()
+                    yield ev  # blocks while the client does not read (HTTP/2 flow control)
+                    follower.writing_since = None
+                    follower.written = cursor
                 if done:
                     return
                 await follower.wait()
@@ -271,7 +329,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             req.listeners.discard(follower)
             if not done:
                 # client cancel, disconnect or deadline: the request must not run on
-                self.front.cancel_nowait(req.rid)
+                if self.front.cancel_nowait(req.rid):
+                    log.info("Generate call ended early: cancelling", extra={"request_id": req.rid})
 
     async def StreamEvents(self, request_iterator, context) -> AsyncIterator[pb.StreamEventsResponse]:
         session = _Session(self.front)
@@ -335,6 +394,8 @@ class ServeConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
+    metrics_host: str | None = None  # default: host
 
 
 class Server:
@@ -347,9 +408,16 @@ class Server:
         self.port = 0
         self._grpc: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
+        self.metrics = None
 
     async def start(self) -> int:
         cfg = self.config
+        if cfg.metrics_port is not None:
+            from qil_worker.service.metrics import Metrics  # imports prometheus_client
+
+            self.metrics = Metrics()
+            self.metrics.serve(cfg.metrics_host or cfg.host, cfg.metrics_port)
+            self.front.metrics = self.metrics
         interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
         server = grpc.aio.server(options=limits.SERVER_OPTIONS, interceptors=interceptors)
         pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self.front), server)
@@ -390,7 +458,11 @@ class Server:
             await self.front.start()
         except BaseException:
             await server.stop(0)
+            if self.metrics is not None:
+                self.metrics.close()
             raise
+        if self.metrics is not None:
+            self.metrics.on_stats(self.front.stats, self.front.num_unfinished)
         await self.health.set_serving(True)
         return self.port
 
@@ -405,6 +477,8 @@ class Server:
         if self._grpc is not None:
             await self._grpc.stop(1.0)
         await self.front.stop_worker()
+        if self.metrics is not None:
+            self.metrics.close()
         self._stopped.set()
 
 

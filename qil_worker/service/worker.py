@@ -26,6 +26,12 @@ log = logging.getLogger("qil.worker")
 
 PARENT_CHECK_S = 1.0
 
+# TEST-ONLY fault injection, off by default and settable only through the worker's environment
+# (never from the network): "N" or "N:K" makes model forward calls N..N+K-1 (1-based, counted
+# after the warm-up; K defaults to 1) raise RuntimeError, to test that a failing step ends its
+# requests with an in-band error and the server keeps serving.
+FAULT_FORWARD_ENV = "QIL_TEST_FAULT_FORWARD"
+
 
 def worker_main(conn: Any, config: dict[str, Any]) -> None:
     """Process entry point. ``config``: model, device, dtype, threads, engine kwargs, demo flag."""
@@ -33,10 +39,9 @@ def worker_main(conn: Any, config: dict[str, Any]) -> None:
     # front decides when (after the grace period) the worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    logging.basicConfig(
-        level=config.get("log_level", "INFO"),
-        format="%(asctime)s %(levelname)s [worker %(process)d] %(message)s",
-    )
+    from qil_worker.service import logs
+
+    logs.setup(config.get("log_level", "INFO"), config.get("log_format", "text"))
     parent_pid = os.getppid()
     try:
         engine, info = _load(config)
@@ -96,6 +101,7 @@ def _load(config: dict[str, Any]):
     )
     engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, **engine_kw)
     _warm_up(engine, cfg.vocab_size)
+    _install_forward_fault(model, os.environ.get(FAULT_FORWARD_ENV))
     stats = engine.stats()
     info = {
         "name": "demo" if demo else str(model_dir),
@@ -120,12 +126,66 @@ def _load(config: dict[str, Any]):
         "pid": os.getpid(),
         "stats": _stats(engine),
     }
+    memory = _memory_summary(model, pool)
+    info["memory"] = memory
     log.info(
-        "model %s loaded and warm in %.2fs; %s; tokenizer: %s; prefix cache: %s",
-        info["name"], time.perf_counter() - t0, pool.summary(), tokenizer_dir or "none",
-        "on" if info["prefix_cache"] else "off",
+        "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
+        "tokenizer: %s; prefix cache: %s",
+        info["name"], time.perf_counter() - t0, info["dtype"], info["device"], pool.num_pages,
+        pool.summary(), memory, tokenizer_dir or "none", "on" if info["prefix_cache"] else "off",
     )
     return engine, info
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _memory_summary(model: Any, pool: Any) -> str:
+    """KV pool bytes, and torch's allocated device memory on CUDA or the process RSS on CPU."""
+    parts = [f"KV pool {_mib(pool.num_pages * pool.page_bytes)}"]
+    device = getattr(model, "device", None)
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        parts.append(f"cuda allocated {_mib(torch.cuda.memory_allocated(device))}")
+    else:
+        rss = _rss_bytes()
+        if rss:
+            parts.append(f"process RSS {_mib(rss)}")
+    return ", ".join(parts)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+
+            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        except Exception:  # noqa: BLE001
+            return 0
+
+
+def _install_forward_fault(model: Any, spec: str | None) -> None:
+    """TEST ONLY (see ``FAULT_FORWARD_ENV``): wrap this model instance's ``forward``."""
+    if not spec:
+        return
+    first, _, count = spec.partition(":")
+    first_call, num = int(first), int(count or 1)
+    inner = model.forward
+    calls = [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if first_call <= calls[0] < first_call + num:
+            raise RuntimeError(f"injected fault in forward call {calls[0]} ({FAULT_FORWARD_ENV})")
+        return inner(*args, **kwargs)
+
+    model.forward = forward  # the instance attribute shadows the method for this model only
+    log.warning("TEST FAULT INJECTION ON: forward calls %d..%d will raise", first_call, first_call + num - 1)
 
 
 def _load_tokenizer(config: dict[str, Any], model_dir: str, vocab_size: int) -> tuple[Any, str | None]:
@@ -226,12 +286,18 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
             elif tag == P.STOP:
                 return 0
         events = []
+        step_info = None
         if not engine.idle:
-            for ev in engine.step():
+            t0 = time.perf_counter()
+            step_events = engine.step()
+            step_info = (time.perf_counter() - t0, len({ev.request_id for ev in step_events}))
+            for ev in step_events:
                 final = None
                 code = 0
                 if ev.finished:
                     code = finish_codes.get(getattr(ev.finish_reason, "value", ev.finish_reason), 4)
+                    if ev.error:
+                        log.warning("request failed: %s", ev.error, extra={"request_id": ev.request_id})
                     try:
                         r = engine.result(ev.request_id)
                         final = (
@@ -248,7 +314,9 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
                         )
                         engine.release(ev.request_id)
                     except Exception:  # noqa: BLE001 - metrics are best effort
-                        log.debug("no result for %s: %s", ev.request_id, traceback.format_exc())
+                        log.debug(
+                            "no result: %s", traceback.format_exc(), extra={"request_id": ev.request_id}
+                        )
                         final = (
                             0, ev.index + (ev.token_id is not None), -1.0, -1.0, -1.0, -1.0, -1.0,
                             0, 0, ev.stop_reason if code == stop_code else None,
@@ -267,4 +335,4 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
                     )
                 )
         if acks or events or tickets:
-            conn.send((P.BATCH, acks, events, _stats(engine), tickets))
+            conn.send((P.BATCH, acks, events, _stats(engine), tickets, step_info))
