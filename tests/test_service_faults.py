@@ -112,3 +112,243 @@ def test_restarts_are_bounded(model_dir):
             assert c.info().worker.restarts == 0
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------- more faults (issue #6)
+
+import socket  # noqa: E402
+import threading  # noqa: E402
+import urllib.request  # noqa: E402
+
+import grpc  # noqa: E402
+
+from qil_client import pb  # noqa: E402
+from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
+from service_fixtures import ENGINE, reference_outputs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return {
+        k: float(v) for k, _, v in (ln.rpartition(" ") for ln in lines if ln and not ln.startswith("#"))
+    }
+
+
+def test_sigkill_worker_during_prefill_and_decode(model_dir):
+    """One request in prefill (a long prompt in small chunks) and several decoding when the worker
+    is killed: every call ends UNAVAILABLE at once, the worker comes back, tokens are right."""
+    engine = dict(ENGINE, token_budget=64, prefill_chunk=32)
+    port = _free_port()
+    srv = start_server(model_dir, engine=engine, restart_backoff_s=0.2, metrics_port=port)
+    try:
+        with Client(srv.target, timeout=60) as c:
+            pid = c.info().worker.pid
+            prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+            streams, first = [], []
+            for p in prompts:
+                s = c.stream(p, max_new_tokens=LONG, ignore_eos=True)
+                first.append(list(next(s).token_ids))  # decoding now
+                streams.append(s)
+            session = c.session()
+            long_prompt = [(i * 7) % 90 + 1 for i in range(4000)]  # 125 prefill chunks
+            session.submit(long_prompt, max_new_tokens=4, request_id="in-prefill")
+            it = iter(session)
+            assert next(it).WhichOneof("frame") == "submitted"
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            prefill_frames = []
+            with pytest.raises(Unavailable):
+                for resp in it:
+                    prefill_frames.append(resp)
+            # killed during its prefill: not one token came out
+            assert not any(f.WhichOneof("frame") == "event" and f.event.token_ids for f in prefill_frames)
+            for s in streams:
+                with pytest.raises(Unavailable):
+                    for _ in s:
+                        pass
+            assert time.monotonic() - t0 < 5
+            assert c.health() == "NOT_SERVING"
+            wait_until(lambda: c.health() == "SERVING", timeout=60, interval=0.1)
+            info = c.info()
+            assert info.worker.restarts == 1 and info.worker.pid != pid
+            assert info.pages.used == 0 and info.num_unfinished == 0
+            ref = reference_outputs(model_dir, [prompts[0]], 8, engine=engine)[0]
+            r = c.generate(prompts[0], max_new_tokens=8, ignore_eos=True)
+            assert list(r.token_ids) == ref and ref[: len(first[0])] == first[0]
+            r = c.generate(long_prompt, max_new_tokens=4, ignore_eos=True)
+            assert r.finish_reason == "length" and r.num_prompt_tokens == 4000
+            m = _scrape(port)
+            assert m["qil_worker_restarts_total"] == 1
+            assert m['qil_requests_finished_total{reason="error"}'] == 4  # the 4 lost requests
+            assert m['qil_requests_finished_total{reason="length"}'] == 2
+    finally:
+        srv.stop()
+    assert not _alive(pid)
+
+
+def test_exception_in_forward_fails_that_step_only(model_dir, monkeypatch):
+    """QIL_TEST_FAULT_FORWARD (test-only, environment only) makes one forward call raise: the
+    request in that step ends with an in-band error, the waiting one runs on, no page leaks,
+    and later tokens are right."""
+    from qil_worker.service.worker import FAULT_FORWARD_ENV
+
+    engine = dict(ENGINE, max_active=1)  # B waits while A runs: A alone is in the failing step
+    fault_at = 150
+    monkeypatch.setenv(FAULT_FORWARD_ENV, str(fault_at))
+    srv = start_server(model_dir, engine=engine)
+    monkeypatch.delenv(FAULT_FORWARD_ENV)
+    try:
+        with Client(srv.target, timeout=60) as c:
+            a_prompt, b_prompt = [3, 1, 4, 1, 5], [2, 7, 1, 8]
+            a = c.stream(a_prompt, max_new_tokens=1000, ignore_eos=True, request_id="fault-a")
+            a_events = [next(a)]
+            b_result = {}
+            b = threading.Thread(
+                target=lambda: b_result.setdefault(
+                    "r", c.generate(b_prompt, max_new_tokens=20, ignore_eos=True, request_id="fault-b")
+                )
+            )
+            b.start()
+            a_events.extend(a)
+            b.join(60)
+            last = a_events[-1]
+            assert last.finished and last.finish_reason == pb.FINISH_REASON_ERROR
+            assert "injected fault" in last.error and "step failed" in last.error
+            a_tokens = [t for ev in a_events for t in ev.token_ids]
+            assert len(a_tokens) == fault_at - 1  # one token per forward until the failing one
+            rb = b_result["r"]
+            assert rb.finish_reason == "length" and rb.error is None
+            ref_a, ref_b = reference_outputs(model_dir, [a_prompt, b_prompt], fault_at - 1, engine=engine)
+            assert a_tokens == ref_a
+            assert list(rb.token_ids) == ref_b[:20]
+            info = c.info()
+            assert info.pages.used == 0 and info.num_unfinished == 0 and info.worker.restarts == 0
+            assert c.health() == "SERVING"
+            r = c.generate(a_prompt, max_new_tokens=30, ignore_eos=True)
+            assert r.finish_reason == "length" and list(r.token_ids) == ref_a[:30]
+    finally:
+        srv.stop()
+
+
+def test_fault_hook_is_off_by_default():
+    from qil_worker.service.worker import FAULT_FORWARD_ENV, _install_forward_fault
+
+    class M:
+        def forward(self, x):
+            return x + 1
+
+    m = M()
+    _install_forward_fault(m, os.environ.get(FAULT_FORWARD_ENV))  # unset in the test run
+    assert FAULT_FORWARD_ENV not in os.environ and "forward" not in vars(m)
+    _install_forward_fault(m, "2:2")
+    assert [m.forward(1)] == [2]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="injected fault"):
+            m.forward(1)
+    assert m.forward(1) == 2
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_others_keep_streaming(model_dir):
+    """A Generate call and a StreamEvents call whose clients never read: once their backlog passes
+    --max-stream-backlog (with a write stuck), they end RESOURCE_EXHAUSTED and their requests
+    are cancelled (pages free), while a normal stream keeps its pace."""
+    port = _free_port()
+    srv = start_server(model_dir, max_stream_backlog=64, metrics_port=port)
+    # a small HTTP/2 window, so the server's writes to the non-reading calls block early
+    slow_channel = grpc.insecure_channel(
+        srv.target, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 2048)]
+    )
+    try:
+        stub = pb_grpc.InferenceStub(slow_channel)
+        slow_gen = stub.Generate(
+            pb.SubmitRequest(token_ids=[1, 2, 3], max_new_tokens=LONG, ignore_eos=True,
+                             request_id="slow-gen"),
+            timeout=120,
+        )
+        frame = pb.StreamEventsRequest(submit=pb.SubmitRequest(
+            token_ids=[4, 5, 6], max_new_tokens=LONG, ignore_eos=True, request_id="slow-sess"))
+        half_closed = threading.Event()
+
+        def frames():
+            yield frame
+            half_closed.wait(120)
+
+        slow_sess = stub.StreamEvents(frames(), timeout=120)
+        with Client(srv.target, timeout=60) as c:
+            wait_until(lambda: c.info().num_unfinished == 2, timeout=10)
+            gaps, n, last = [], 0, time.monotonic()
+            for ev in c.stream([7, 8, 9], max_new_tokens=400, ignore_eos=True, request_id="reader"):
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                n += len(ev.token_ids)
+                if ev.finished:
+                    assert ev.finish_reason == pb.FINISH_REASON_LENGTH
+            assert n == 400
+            gaps.sort()
+            assert gaps[len(gaps) // 2] < 0.2 and gaps[-1] < 3.0, gaps[-5:]
+            # both slow calls cut off without their clients reading: their pages are free
+            wait_until(lambda: c.info().num_unfinished == 0 and c.info().pages.used == 0, timeout=30)
+            got = 0
+            with pytest.raises(grpc.RpcError) as exc:
+                for ev in slow_gen:
+                    got += len(ev.token_ids)
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "behind" in exc.value.details()
+            assert 0 < got < LONG
+            with pytest.raises(grpc.RpcError) as exc:
+                for _ in slow_sess:
+                    pass
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert _scrape(port)["qil_streams_backlog_exceeded_total"] == 2
+            assert _scrape(port)['qil_requests_finished_total{reason="cancelled"}'] == 2
+            # the server goes on serving
+            assert c.generate([1, 2, 3], max_new_tokens=5).num_output_tokens == 5
+    finally:
+        half_closed.set()
+        slow_channel.close()
+        srv.stop()
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model_dir, tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", QIL_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("QIL_AUTH_TOKEN", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--threads", "1",
+         "--model", str(model_dir), "--grace-seconds", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    )
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "qil serving on" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "server exited:\n" + "".join(err)
+        target = line.split("qil serving on ")[1].split()[0]
+        with Client(target, timeout=60) as c:
+            streams = [c.stream([i + 1, 2, 3], max_new_tokens=300, ignore_eos=True) for i in range(3)]
+            for s in streams:
+                assert next(s).token_ids
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: c.health() == "NOT_SERVING", timeout=5)
+            with pytest.raises(Unavailable):
+                c.submit([1, 2], max_new_tokens=2)
+            for s in streams:
+                events = list(s)
+                assert events[-1].finished and events[-1].finish_reason == pb.FINISH_REASON_LENGTH
+                assert events[-1].num_output_tokens == 300
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
