@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -57,3 +61,37 @@ def reference_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens:
     out = [eng.result(i).output_token_ids for i in ids]
     eng.close()
     return out
+
+
+def start_server_process(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """``python -m qil_worker serve`` as its own process on a free port → (process, target).
+
+    For tests that need the real process tree (RSS, signals); most tests use ``start_server``.
+    """
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("QIL_AUTH_TOKEN", None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "qil_worker", "serve", "--model", str(model_dir), "--host",
+             "127.0.0.1", "--port", "0", "--threads", "1", "--log-level", "WARNING", *extra],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=Path(__file__).resolve().parents[1],
+        )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in list(lines):
+            if line.startswith("qil serving on "):
+                return proc, line.split()[3]
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("server did not start:\n" + Path(log_path).read_text()[-3000:])
+
+
+def stop_server_process(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

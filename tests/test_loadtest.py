@@ -8,8 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,40 +17,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import loadtest  # noqa: E402
 from qil_client import pb  # noqa: E402
+from service_fixtures import start_server_process, stop_server_process  # noqa: E402
 
 INVARIANTS = {"one_final_event", "gap_free", "cancel_semantics", "no_failures", "server_counts",
               "pages_free", "memory", "consistent_outputs"}
-
-
-def start_server(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """``python -m qil_worker serve`` on a free port; returns the process and its target."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("QIL_AUTH_TOKEN", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "qil_worker", "serve", "--model", str(model_dir), "--host",
-             "127.0.0.1", "--port", "0", "--threads", "1", "--log-level", "WARNING", *extra],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT,
-        )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        for line in list(lines):
-            if line.startswith("qil serving on "):
-                return proc, line.split()[3]
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("server did not start:\n" + log_path.read_text()[-3000:])
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def run_loadtest(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -61,7 +29,7 @@ def run_loadtest(*args: str, timeout: float = 120) -> subprocess.CompletedProces
 
 
 def test_short_load_test_passes_every_invariant(tiny_dir, tmp_path):
-    proc, target = start_server(tiny_dir, tmp_path / "server.log")
+    proc, target = start_server_process(tiny_dir, tmp_path / "server.log")
     try:
         out = run_loadtest("--target", target, "--concurrency", "8", "--duration", "6",
                            "--warmup", "2", "--seed", "3", "--server-pid", str(proc.pid), "--rss-per-process",
@@ -69,7 +37,7 @@ def test_short_load_test_passes_every_invariant(tiny_dir, tmp_path):
         # a --server-pid that is not this server's front would make the memory check void
         wrong = run_loadtest("--target", target, "--duration", "1", "--server-pid", str(os.getpid()))
     finally:
-        stop_server(proc)
+        stop_server_process(proc)
     assert wrong.returncode == 2 and "is not a child of --server-pid" in wrong.stderr, wrong.stderr
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "RESULT: PASS" in out.stdout and "TTFT p50" in out.stdout
@@ -98,13 +66,13 @@ def test_short_load_test_passes_every_invariant(tiny_dir, tmp_path):
 def test_load_test_fails_when_the_server_forgets_finished_requests(tiny_dir, tmp_path):
     """--retain-finished 0: late subscriptions (after a disconnect, or Submit then subscribe) get
     NOT_FOUND, which the load test must report as failures (exit 1), not hide."""
-    proc, target = start_server(tiny_dir, tmp_path / "server.log", "--retain-finished", "0")
+    proc, target = start_server_process(tiny_dir, tmp_path / "server.log", "--retain-finished", "0")
     try:
         out = run_loadtest("--target", target, "--concurrency", "4", "--duration", "2",
                            "--warmup", "0", "--request-timeout", "5", "--disconnect-share", "0.5",
                            "--json", str(tmp_path / "report.json"))
     finally:
-        stop_server(proc)
+        stop_server_process(proc)
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert not report["ok"]

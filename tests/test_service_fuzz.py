@@ -13,10 +13,6 @@ field type, so fields added to the proto later (sampling, text) are fuzzed witho
 from __future__ import annotations
 
 import collections
-import os
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,6 +25,7 @@ from hypothesis import strategies as st
 
 from qil_client import pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
+from service_fixtures import reference_outputs, start_server_process, stop_server_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "/qil.v1.Inference/"
@@ -49,50 +46,17 @@ ALLOWED_IN_BAND = {c.value[0] for c in ALLOWED | {SC.NOT_FOUND}} - {0}
 # ---------------------------------------------------------------------------- the server
 
 
-def start_server(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """``python -m qil_worker serve`` on a free port; returns the process and its target."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("QIL_AUTH_TOKEN", None)
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qil_worker", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-         "--port", "0", "--threads", "1", "--log-level", "WARNING", *extra],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT,
-    )
-    log.close()
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        for line in list(lines):
-            if line.startswith("qil serving on "):
-                return proc, line.split()[3]
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("server did not start:\n" + log_path.read_text()[-3000:])
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz-server") / "server.log"
-    proc, target = start_server(tiny_dir, log, *ENGINE_FLAGS)
+    proc, target = start_server_process(tiny_dir, log, *ENGINE_FLAGS)
     channel = grpc.insecure_channel(target)
     stub = pb_grpc.InferenceStub(channel)
     info = stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT)
     assert info.model.vocab_size == VOCAB and info.model.max_position_embeddings == MAX_POSITIONS
     yield {"proc": proc, "target": target, "channel": channel, "stub": stub, "info": info, "log": log}
     channel.close()
-    stop_server(proc)
+    stop_server_process(proc)
 
 
 # ---------------------------------------------------------------------------- values by field type
@@ -492,19 +456,6 @@ def wait_idle(stub, timeout: float = 15.0) -> pb.GetInfoResponse:
         time.sleep(0.05)
 
 
-def reference_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    from qil_worker.engine import Engine
-    from qil_worker.model import Qwen3
-
-    eng = Engine(Qwen3.from_directory(model_dir), **ENGINE)
-    ids = [eng.submit(p, max_new_tokens=max_new_tokens) for p in prompts]
-    while not eng.idle:
-        eng.step()
-    out = [eng.result(i).output_token_ids for i in ids]
-    eng.close()
-    return out
-
-
 def test_fuzzed_requests_never_fail_internally_and_server_stays_correct(server, tiny_dir):
     stub = server["stub"]
     pid_before = server["info"].worker.pid
@@ -532,7 +483,7 @@ def test_fuzzed_requests_never_fail_internally_and_server_stays_correct(server, 
     assert info.pages.used == 0 and info.num_unfinished == 0
     assert server["proc"].poll() is None
     prompts = [[5, 6, 7, 8], [1, 2, 3], [90, 96, 0, 4, 4, 4, 4]]
-    want = reference_outputs(tiny_dir, prompts, 12)
+    want = reference_outputs(tiny_dir, prompts, 12, ENGINE)
     for prompt, tokens in zip(prompts, want):
         events = list(stub.Generate(pb.SubmitRequest(token_ids=prompt, max_new_tokens=12), timeout=CALL_TIMEOUT))
         assert [t for e in events for t in e.token_ids] == tokens
