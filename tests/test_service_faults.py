@@ -202,7 +202,7 @@ def test_exception_in_forward_fails_that_step_only(model_dir, monkeypatch):
     from qil_worker.service.worker import FAULT_FORWARD_ENV
 
     engine = dict(ENGINE, max_active=1)  # B waits while A runs: A alone is in the failing step
-    fault_at = 150
+    fault_at = 300
     monkeypatch.setenv(FAULT_FORWARD_ENV, str(fault_at))
     srv = start_server(model_dir, engine=engine)
     monkeypatch.delenv(FAULT_FORWARD_ENV)

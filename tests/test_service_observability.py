@@ -185,6 +185,23 @@ def test_json_logs_request_lines_startup_summary_and_metrics_flag(model_dir, tmp
     assert "dtype float32" in msg and "device cpu" in msg and "512 KV pages" in msg
     assert "KV pool" in msg and "process RSS" in msg
     assert any(r["logger"] == "qil.metrics" and str(port) in r["message"] for r in records)
+    ready = [r for r in records if r["logger"] == "qil.front" and "worker ready" in r["message"]]
+    assert len(ready) == 1 and "process RSS" in ready[0]["message"]
+    assert ready[0]["process"] == proc.pid
+
+
+def test_metrics_port_in_use_is_a_clear_error(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--model", str(model_dir),
+             "--metrics-port", str(port)],
+            capture_output=True, text=True, cwd=ROOT, timeout=60,
+        )
+    assert out.returncode == 2, out.stderr
+    assert "cannot start the server" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_prometheus_client_is_only_needed_with_the_flag(model_dir, tmp_path):

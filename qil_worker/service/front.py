@@ -320,9 +320,11 @@ class Front:
         self._ready_since = time.monotonic()
         self._set_state(WorkerState.READY)
         log.info(
-            "worker ready (pid %d): model %s%s; %s; tokenizer: %s; prefix cache: %s",
+            "worker ready (pid %d): model %s%s, dtype %s, device %s; %s; memory: %s; tokenizer: %s; "
+            "prefix cache: %s",
             proc.pid, info.get("name"), " [DEMO: random weights]" if info.get("demo") else "",
-            info.get("kv_pool", "KV pool: ?"), info.get("tokenizer") or "none (token ids only)",
+            info.get("dtype", "?"), info.get("device", "?"), info.get("kv_pool", "KV pool: ?"),
+            info.get("memory", "?"), info.get("tokenizer") or "none (token ids only)",
             "on" if info.get("prefix_cache") else "off",
         )
 

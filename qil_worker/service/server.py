@@ -491,6 +491,9 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None, announce
     except WorkerFailed as exc:
         log.error("the worker could not start: %s", exc)
         return 2
+    except OSError as exc:  # a port in use (gRPC or metrics)
+        log.error("cannot start the server: %s", exc)
+        return 2
     demo = " (embedded DEMO model: random weights)" if server.front.info.get("demo") else ""
     announce(f"qil serving on {config.host}:{port}{demo}")
     loop = asyncio.get_running_loop()
