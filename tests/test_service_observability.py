@@ -276,3 +276,32 @@ def test_log_lines_carry_the_request_id():
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+def test_preemptions_are_counted(model_dir):
+    """A pool too small for both requests at once: the engine preempts one; the counter agrees
+    with the requests' own metrics."""
+    from service_fixtures import ENGINE
+
+    port = free_port()
+    srv = start_server(model_dir, engine=dict(ENGINE, num_pages=8), metrics_port=port)  # 128 tokens
+    try:
+        with Client(srv.target, timeout=60) as c:
+            results = [None, None]
+
+            def run(i: int) -> None:
+                results[i] = c.generate([i + 1] * 10, max_new_tokens=100, ignore_eos=True)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert [r.finish_reason for r in results] == ["length", "length"]
+            preempted = sum(r.metrics.num_preemptions for r in results)
+            assert preempted >= 1
+            m = scrape(port)
+            assert m["qil_preemptions_total"] == preempted
+            assert m["qil_kv_pages_total"] == 8 and m["qil_kv_pages_used"] == 0
+    finally:
+        srv.stop()
