@@ -111,7 +111,12 @@ def _backlog_error(bound: int) -> ServiceError:
     )
 
 
-def _stream_fell_behind(front: Front, rids: list[str], bound: int) -> None:
+def _stream_fell_behind(front: Front, rids: list[str], bound: int, behind: str = "") -> None:
+    if not rids:
+        log.warning(
+            "stream reader more than %d tokens behind: ending the stream", bound,
+            extra={"request_id": behind},
+        )
     for rid in rids:
         log.warning(
             "stream reader more than %d tokens behind: cancelling", bound, extra={"request_id": rid}
@@ -153,9 +158,10 @@ class _Session:
                 and time.monotonic() - self.writing_since >= limits.STREAM_STALL_S
             ):
                 # the client stopped reading: gRPC flow control holds our writes while the
-                # worker goes on producing; end the stream and free the pages of its requests
+                # worker goes on producing; end the stream and free the pages of the requests
+                # it submitted (a request it only subscribed to belongs to someone else)
                 self.fault = _backlog_error(bound)
-                _stream_fell_behind(self.front, sorted(self.owned | {req.rid}), bound)
+                _stream_fell_behind(self.front, sorted(self.owned), bound, req.rid)
             self.wakeup.set()
 
     def worker_lost(self, req: Req) -> None:
