@@ -22,6 +22,7 @@ from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_worker.service import limits
 from qil_worker.service.auth import BearerTokenInterceptor
+from qil_worker.service.decoding import Undecodable, add_servicer
 from qil_worker.service.errors import (
     ServiceError,
     invalid,
@@ -93,6 +94,11 @@ def build_event(req: Req, cursor: int) -> tuple[pb.Event | None, int, bool]:
     return ev, n, final is not None
 
 
+async def _reject_undecodable(request: object, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Undecodable):
+        await invalid("request", request.describe()).abort(context)
+
+
 async def _submit(front: Front, request: pb.SubmitRequest) -> Req:
     args = submit_args(request)
     return await front.submit(
@@ -133,27 +139,29 @@ class _Session:
         self.front = front
         self.max_backlog = _backlog_bound(front)
         self.writing_since: float | None = None  # monotonic time the pending write started
-        self.subs: dict[str, list] = {}  # rid -> [req, cursor]
-        self.dirty: dict[str, None] = {}  # rids with news, in arrival order
+        # keyed by the request object, not its id: a finished request and a new one that reuses
+        # its id are different streams
+        self.subs: dict[Req, int] = {}  # req -> cursor
+        self.dirty: dict[Req, None] = {}  # requests with news, in arrival order
         self.control: collections.deque = collections.deque()  # futures of answers, in order
         self.slots = asyncio.Semaphore(limits.MAX_PENDING_FRAMES)
         self.wakeup = asyncio.Event()
-        self.owned: set[str] = set()
+        self.owned: set[Req] = set()  # submitted on this session
         self.half_closed = False
         self.fault: ServiceError | None = None
         self.tasks: set[asyncio.Task] = set()
 
     # listener interface (see front.Follower)
     def wake(self, req: Req) -> None:
-        entry = self.subs.get(req.rid)
-        if entry is not None:
-            self.dirty[req.rid] = None
+        cursor = self.subs.get(req)
+        if cursor is not None:
+            self.dirty[req] = None
             bound = self.max_backlog
             if (
                 bound is not None
                 and self.fault is None
                 and req.final is None
-                and len(req.tokens) - entry[1] > bound
+                and len(req.tokens) - cursor > bound
                 and self.writing_since is not None
                 and time.monotonic() - self.writing_since >= limits.STREAM_STALL_S
             ):
@@ -161,7 +169,7 @@ class _Session:
                 # worker goes on producing; end the stream and free the pages of the requests
                 # it submitted (a request it only subscribed to belongs to someone else)
                 self.fault = _backlog_error(bound)
-                _stream_fell_behind(self.front, sorted(self.owned), bound, req.rid)
+                _stream_fell_behind(self.front, self._live_owned(), bound, req.rid)
             self.wakeup.set()
 
     def worker_lost(self, req: Req) -> None:
@@ -169,15 +177,24 @@ class _Session:
         self.wakeup.set()
 
     def _add_sub(self, req: Req, cursor: int) -> None:
-        if req.rid in self.subs:
+        if req in self.subs:
             return
-        self.subs[req.rid] = [req, cursor]
+        self.subs[req] = cursor
         req.listeners.add(self)
-        self.dirty[req.rid] = None
+        self.dirty[req] = None
+
+    def _live_owned(self) -> list[str]:
+        """Ids of the unfinished requests this session submitted (safe to cancel by id)."""
+        return sorted(r.rid for r in self.owned if r.final is None)
 
     async def read_frames(self, frames: AsyncIterator[pb.StreamEventsRequest]) -> None:
         try:
             async for frame in frames:
+                if isinstance(frame, Undecodable):
+                    # not a half-close: the session ends with INVALID_ARGUMENT, and close()
+                    # cancels what it submitted
+                    self.fault = invalid("frame", frame.describe())
+                    return
                 await self.slots.acquire()
                 kind = frame.WhichOneof("frame")
                 task = asyncio.ensure_future(self._answer(kind, frame))
@@ -207,7 +224,7 @@ class _Session:
                 if err.code == grpc.StatusCode.UNAVAILABLE:
                     self.fault = err
                 return self._error(s.request_id, err), None
-            self.owned.add(req.rid)
+            self.owned.add(req)
             resp = pb.StreamEventsResponse(
                 submitted=pb.SubmitResponse(request_id=req.rid, num_prompt_tokens=req.prompt_len)
             )
@@ -257,20 +274,19 @@ class _Session:
             while self.dirty:
                 if self.fault is not None:
                     await self.fault.abort(context)
-                rid = next(iter(self.dirty))
-                del self.dirty[rid]
-                entry = self.subs.get(rid)
-                if entry is None:
+                req = next(iter(self.dirty))
+                del self.dirty[req]
+                cursor = self.subs.get(req)
+                if cursor is None:
                     continue
-                req, cursor = entry
                 if req.lost:
                     await unavailable("worker process died").abort(context)
                 if cursor > len(req.tokens) and req.final is None:
                     continue  # subscribed ahead of the output; wait for more
-                ev, entry[1], done = build_event(req, cursor)
+                ev, self.subs[req], done = build_event(req, cursor)
                 if done:
-                    del self.subs[rid]
-                    self.owned.discard(rid)
+                    del self.subs[req]
+                    self.owned.discard(req)
                     req.listeners.discard(self)
                 if ev is not None:
                     self.writing_since = time.monotonic()
@@ -282,9 +298,9 @@ class _Session:
     def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()
-        for req, _ in self.subs.values():
+        for req in self.subs:
             req.listeners.discard(self)
-        for rid in self.owned:
+        for rid in self._live_owned():
             self.front.cancel_nowait(rid)
 
 
@@ -293,6 +309,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.front = front
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
+        await _reject_undecodable(request, context)
         try:
             req = await _submit(self.front, request)
         except ServiceError as err:
@@ -300,12 +317,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.SubmitResponse(request_id=req.rid, num_prompt_tokens=req.prompt_len)
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        await _reject_undecodable(request, context)
         results = await self.front.cancel(request.request_ids)
         return pb.CancelResponse(
             results=[pb.CancelResult(request_id=r, was_active=a) for r, a in results]
         )
 
     async def Generate(self, request: pb.SubmitRequest, context) -> AsyncIterator[pb.Event]:
+        await _reject_undecodable(request, context)
         try:
             req = await _submit(self.front, request)
         except ServiceError as err:
@@ -349,6 +368,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             session.close()
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
+        await _reject_undecodable(request, context)
         front = self.front
         total, used, free, running, waiting, cached, hit_rate = await front.fresh_stats()
         info = front.info
@@ -426,7 +446,7 @@ class Server:
             self.front.metrics = self.metrics
         interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
         server = grpc.aio.server(options=limits.SERVER_OPTIONS, interceptors=interceptors)
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self.front), server)
+        add_servicer(InferenceServicer(self.front), server, pb, "Inference")
         self.health.add_to_server(server)
         await self.health.set_serving(False)
         reflection.enable_server_reflection(
