@@ -106,3 +106,23 @@ def test_finished_requests_are_retained_boundedly():
         front._finished(req)
     assert sorted(front.requests) == ["r2", "r3"]  # the oldest finished ones are forgotten
     assert front.num_unfinished == 0
+
+
+def test_finished_requests_are_retained_within_a_token_budget():
+    from qil_worker.service.front import Front, FrontConfig, Req, retained_size
+
+    front = Front(FrontConfig(retain_finished=100, retain_seconds=60, retain_tokens=1000))
+    sizes = {}
+    for i in range(6):
+        req = Req(f"r{i}", 1)
+        req.tokens = list(range(100))
+        if i % 2:  # with 4 top-logprob candidates per token: 5x the weight
+            req.top = [[(1, -0.1)] * 4 for _ in req.tokens]
+        front.requests[req.rid] = req
+        front.num_unfinished += 1
+        req.final = (2, None, None)
+        front._finished(req)
+        sizes[req.rid] = retained_size(req)
+    assert sizes == {"r0": 100, "r1": 500, "r2": 100, "r3": 500, "r4": 100, "r5": 500}
+    # newest first while the total stays within 1000: r5 (500) + r4 (100) ... r3 would make 1100
+    assert sorted(front.requests) == ["r4", "r5"]

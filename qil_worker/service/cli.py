@@ -73,7 +73,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--retain-seconds", type=float, default=limits.RETAIN_SECONDS,
-        help="...and for at most this long",
+        help="...and for at most this long...",
+    )
+    p.add_argument(
+        "--retain-tokens", type=int, default=limits.RETAIN_TOKENS,
+        help="...and at most this many output tokens in all (top logprobs count too)",
     )
     p.add_argument(
         "--auth-token", default=None,
@@ -174,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             max_restarts=args.max_restarts,
             retain_finished=args.retain_finished,
             retain_seconds=args.retain_seconds,
+            retain_tokens=args.retain_tokens,
             log_level=args.log_level.upper(),
             log_format=args.log_format,
             max_stream_backlog=args.max_stream_backlog,

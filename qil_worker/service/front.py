@@ -71,11 +71,19 @@ class FrontConfig:
     start_timeout_s: float = 900.0
     retain_finished: int = limits.RETAIN_FINISHED
     retain_seconds: float = limits.RETAIN_SECONDS
+    retain_tokens: int = limits.RETAIN_TOKENS
     log_level: str = "INFO"
     log_format: str = "text"  # or "json" (the worker logs in the same format)
     # A streaming call (Generate, StreamEvents) whose reader leaves more than this many produced
     # tokens unwritten is ended with RESOURCE_EXHAUSTED and its requests are cancelled.
     max_stream_backlog: int = limits.MAX_STREAM_BACKLOG
+
+
+def retained_size(req: "Req") -> int:
+    """What keeping a finished request costs, in token-equivalents: each output token, plus one
+    per top-logprob candidate it carries (those dominate: ~100 bytes each in Python objects)."""
+    width = len(req.top[0]) if req.top else 0
+    return max(1, len(req.tokens) * (1 + width))
 
 
 class Req:
@@ -226,7 +234,9 @@ class Front:
     def __init__(self, config: FrontConfig) -> None:
         self.config = config
         self.requests: dict[str, Req] = {}
-        self._retained: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # finished requests kept for late subscribers: rid -> (finish time, retained size)
+        self._retained: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
+        self._retained_size = 0
         self._acks: dict[str, asyncio.Future] = {}
         self._tickets: dict[int, asyncio.Future] = {}
         self._next_ticket = 0
@@ -451,17 +461,26 @@ class Front:
             self.num_unfinished = 0
             self._idle.set()
         now = time.monotonic()
-        self._retained[req.rid] = now
-        self._retained.move_to_end(req.rid)
+        self._forget_retained(req.rid)
+        size = retained_size(req)
+        self._retained[req.rid] = (now, size)
+        self._retained_size += size
         cutoff = now - self.config.retain_seconds
         while self._retained and (
             len(self._retained) > self.config.retain_finished
-            or next(iter(self._retained.values())) < cutoff
+            or self._retained_size > self.config.retain_tokens
+            or next(iter(self._retained.values()))[0] < cutoff
         ):
-            rid, _ = self._retained.popitem(last=False)
+            rid = next(iter(self._retained))
+            self._forget_retained(rid)
             old = self.requests.get(rid)
             if old is not None and old.final is not None:
                 del self.requests[rid]
+
+    def _forget_retained(self, rid: str) -> None:
+        entry = self._retained.pop(rid, None)
+        if entry is not None:
+            self._retained_size -= entry[1]
 
     def _report_finished(self, req: Req) -> None:
         """One INFO line per finished request, and its metrics."""
@@ -537,7 +556,7 @@ class Front:
             )
         tokens = None if token_ids is None else list(token_ids)
         req = Req(rid, len(tokens or ()))
-        self._retained.pop(rid, None)
+        self._forget_retained(rid)
         self.requests[rid] = req
         self.num_unfinished += 1
         self._idle.clear()
@@ -552,7 +571,7 @@ class Front:
         except ServiceError:
             if self.requests.get(rid) is req:
                 del self.requests[rid]
-                self._retained.pop(rid, None)
+                self._forget_retained(rid)
             raise
         if err is not None:
             if self.requests.get(rid) is req:

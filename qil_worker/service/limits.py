@@ -10,9 +10,12 @@ DEFAULT_MAX_NEW_TOKENS = 16
 # their number and length bound that per-token cost.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256
-# Finished requests kept for late subscribers: at most this many, for at most this long.
+# Finished requests kept for late subscribers: at most this many, for at most this long, and at
+# most this many token-equivalents in all (tokens, plus their top-logprob candidates), so that
+# long requests with logprobs cannot grow the front without bound (~2M ≈ a few hundred MB).
 RETAIN_FINISHED = 4096
 RETAIN_SECONDS = 600.0
+RETAIN_TOKENS = 2_000_000
 # Frames of one StreamEvents session being answered at once (bounds that session's memory; the
 # session stops reading frames until its answers are written).
 MAX_PENDING_FRAMES = 256
