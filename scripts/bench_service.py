@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qil_client import Client, pb
+from qil_client import Client
 from service_fixtures import make_service_checkpoint, start_server, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,6 @@ end-to-end time, preemptions); the front counts worker restarts.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from qil_worker.service import protocol as P
 
