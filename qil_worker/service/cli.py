@@ -30,7 +30,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto = the checkpoint's (default: bfloat16 on CUDA, float32 otherwise)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the worker")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=_positive_int, default=None, help="KV pages (default: 512)")
