@@ -63,32 +63,40 @@ def reference_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens:
     return out
 
 
-def start_server_process(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """``python -m qil_worker serve`` as its own process on a free port → (process, target).
+def serve_process(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str, list[str]]:
+    """``python -m qil_worker serve --port 0 --threads 1 ARGS`` as its own process.
 
-    For tests that need the real process tree (RSS, signals); most tests use ``start_server``.
+    Returns the process, its target and the list its stderr lines keep arriving in. For tests
+    that need the real process tree (RSS, signals, the CLI); most tests use ``start_server``.
+    Both pipes are drained by threads, so a chatty server never blocks on a full pipe.
     """
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("QIL_AUTH_TOKEN", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "qil_worker", "serve", "--model", str(model_dir), "--host",
-             "127.0.0.1", "--port", "0", "--threads", "1", "--log-level", "WARNING", *extra],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=Path(__file__).resolve().parents[1],
-        )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "QIL_AUTH_TOKEN"}
+    env = dict(env, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--threads", "1", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    out: list[str] = []
+    err: list[str] = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        for line in list(lines):
+    while time.monotonic() < deadline:
+        for line in list(out):
             if line.startswith("qil serving on "):
-                return proc, line.split()[3]
+                return proc, line.split()[3], err
+        if proc.poll() is not None:
+            time.sleep(0.2)  # let the reader threads take the last lines
+            raise AssertionError(f"server exited ({proc.returncode}):\n" + "".join(err)[-3000:])
         time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("server did not start:\n" + Path(log_path).read_text()[-3000:])
+    raise AssertionError("server did not start:\n" + "".join(err)[-3000:])
 
 
 def stop_server_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it does not exit in time."""
     proc.terminate()
     try:
         proc.wait(30)

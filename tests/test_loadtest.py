@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import loadtest  # noqa: E402
 from qil_client import pb  # noqa: E402
-from service_fixtures import start_server_process, stop_server_process  # noqa: E402
+from service_fixtures import serve_process, stop_server_process  # noqa: E402
 
 INVARIANTS = {"one_final_event", "gap_free", "cancel_semantics", "no_failures", "server_counts",
               "pages_free", "memory", "consistent_outputs"}
@@ -29,7 +29,7 @@ def run_loadtest(*args: str, timeout: float = 120) -> subprocess.CompletedProces
 
 
 def test_short_load_test_passes_every_invariant(tiny_dir, tmp_path):
-    proc, target = start_server_process(tiny_dir, tmp_path / "server.log")
+    proc, target, _ = serve_process("--model", str(tiny_dir), "--log-level", "WARNING")
     try:
         out = run_loadtest("--target", target, "--concurrency", "8", "--duration", "6",
                            "--warmup", "2", "--seed", "3", "--server-pid", str(proc.pid), "--rss-per-process",
@@ -66,7 +66,7 @@ def test_short_load_test_passes_every_invariant(tiny_dir, tmp_path):
 def test_load_test_fails_when_the_server_forgets_finished_requests(tiny_dir, tmp_path):
     """--retain-finished 0: late subscriptions (after a disconnect, or Submit then subscribe) get
     NOT_FOUND, which the load test must report as failures (exit 1), not hide."""
-    proc, target = start_server_process(tiny_dir, tmp_path / "server.log", "--retain-finished", "0")
+    proc, target, _ = serve_process("--model", str(tiny_dir), "--log-level", "WARNING", "--retain-finished", "0")
     try:
         out = run_loadtest("--target", target, "--concurrency", "4", "--duration", "2",
                            "--warmup", "0", "--request-timeout", "5", "--disconnect-share", "0.5",

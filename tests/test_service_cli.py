@@ -7,33 +7,19 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from service_fixtures import serve_process
 from qil_client import Client, QilError, Unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _start(env: dict, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--threads", "1", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-    )
-    err_lines: list[str] = []
-    threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True).start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            pytest.fail("server exited early:\n" + "".join(err_lines))
-        if line.startswith("qil serving on "):
-            return proc, line.split()[3], err_lines
-    proc.kill()
-    pytest.fail("server did not start")
+def _start(env: dict, *args: str) -> tuple[subprocess.Popen, str, list[str]]:
+    return serve_process(*args, env=env)
 
 
 def test_quickstart_demo_model_client_cli_and_graceful_sigterm(tmp_path):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from qil_client import pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
-from service_fixtures import reference_outputs, start_server_process, stop_server_process
+from service_fixtures import reference_outputs, serve_process, stop_server_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "/qil.v1.Inference/"
@@ -48,8 +48,7 @@ ALLOWED_IN_BAND = {c.value[0] for c in ALLOWED | {SC.NOT_FOUND}} - {0}
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("fuzz-server") / "server.log"
-    proc, target = start_server_process(tiny_dir, log, *ENGINE_FLAGS)
+    proc, target, log = serve_process("--model", str(tiny_dir), "--log-level", "WARNING", *ENGINE_FLAGS)
     channel = grpc.insecure_channel(target)
     stub = pb_grpc.InferenceStub(channel)
     info = stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT)

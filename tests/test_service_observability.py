@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from qil_client import Client
-from service_fixtures import make_service_checkpoint, start_server, wait_until
+from service_fixtures import make_service_checkpoint, serve_process, start_server, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,22 +123,7 @@ def test_pages_gauge_moves_while_a_request_runs(metrics_server):
 
 
 def _serve(env: dict, *args: str) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--threads", "1", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-    )
-    err: list[str] = []
-    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait(10)
-            pytest.fail(f"server exited ({proc.returncode}):\n" + "".join(err))
-        if line.startswith("qil serving on "):
-            return proc, line.split()[3], err
-    proc.kill()
-    pytest.fail("server did not start")
+    return serve_process(*args, env=env)
 
 
 def test_json_logs_request_lines_startup_summary_and_metrics_flag(model_dir, tmp_path):
