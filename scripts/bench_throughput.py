@@ -66,12 +66,12 @@ def summarize(name: str, wall: float, reqs, ttft: list[float], gaps: list[float]
     }
 
 
-def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil") -> dict:
+def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cuda_graphs: bool | None = None) -> dict:
     from qil_worker import Engine
 
     engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
                     token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
-                    max_active=args.max_active, prefix_cache=prefix_cache)
+                    max_active=args.max_active, prefix_cache=prefix_cache, cuda_graphs=cuda_graphs)
     sampling = dict(temperature=args.temperature, seed=args.seed) if args.temperature else {}
     t0 = time.perf_counter()
     ids = [engine.submit(p, max_new_tokens=n, ignore_eos=True, **sampling) for p, n in reqs]
@@ -90,8 +90,14 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil") -> 
     ttft = [times[i][0] - t0 for i in ids]
     gaps = [b - a for i in ids for a, b in zip(times[i], times[i][1:])]
     hit = engine.stats().prefix_cache_hit_rate
+    graphs = engine.decode_graphs
+    extra = {} if graphs is None else {
+        "graph_decode_steps": graphs.steps, "graphs": graphs.num_graphs,
+        "graph_capture_s": round(graphs.capture_seconds, 2),
+    }
     engine.close()
-    return summarize(name, wall, reqs, ttft, gaps, peak_kv_pages=peak, prefix_hit_rate=round(hit, 3))
+    return summarize(name, wall, reqs, ttft, gaps, peak_kv_pages=peak, prefix_hit_rate=round(hit, 3),
+                     attention=engine.attention_backend, **extra)
 
 
 class _BatchTimes:
@@ -161,12 +167,19 @@ def run_hf_continuous(hf, reqs, args) -> dict | None:
     return summarize("hf-continuous", wall, reqs, ttft, gaps)
 
 
+def add_row(rows: list[dict], row: dict) -> None:
+    """Keep a result and print it at once, so a run cut short still reports what it finished."""
+    rows.append(row)
+    print(f"[{row['system']}] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in row.items() if k != "system"), flush=True)
+
+
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     head = f"{'system':<16}{'out tok/s':>10}{'total tok/s':>12}{'TTFT mean':>11}{'TTFT p99':>10}{'ITL mean':>10}{'ITL p99':>9}{'qil/this':>10}"
     print(head)
     print("-" * len(head))
-    qil = next(r for r in rows if r["system"] == "qil")
+    qil = next((r for r in rows if r["system"] == "qil"), rows[0])
     for r in rows:
         ratio = qil["output_tok_s"] / r["output_tok_s"]
         print(f"{r['system']:<16}{r['output_tok_s']:>10.1f}{r['total_tok_s']:>12.1f}{r['ttft_mean_s']:>10.2f}s"
@@ -185,7 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling (qil)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix-heavy", action="store_true", help="all prompts share a 512-token prefix")
-    p.add_argument("--systems", nargs="+", default=["qil", "hf-static", "hf-continuous"])
+    p.add_argument("--systems", nargs="+", default=["qil", "hf-static", "hf-continuous"],
+                   help="any of qil, qil-eager (CUDA: no decode graphs), hf-static, hf-continuous")
     p.add_argument("--hf-batch", type=int, default=8)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
@@ -222,16 +236,19 @@ def main(argv=None) -> int:
     for dtype_name in dtypes:
         rows = []
         model = Qwen3.from_directory(model_dir, device=args.device, dtype=dtype_name)
-        run_qil(model, reqs[:2], args)  # warm-up
-        rows.append(run_qil(model, reqs, args))
+        if "qil" in args.systems:
+            run_qil(model, reqs[:2], args)  # warm-up
+            add_row(rows, run_qil(model, reqs, args))
+        if "qil-eager" in args.systems and cuda:
+            add_row(rows, run_qil(model, reqs, args, cuda_graphs=False, name="qil-eager"))
         if args.prefix_heavy:
-            rows.append(run_qil(model, reqs, args, prefix_cache=False, name="qil-no-cache"))
+            add_row(rows, run_qil(model, reqs, args, prefix_cache=False, name="qil-no-cache"))
         del model
         hf = None
         if "hf-static" in args.systems or "hf-continuous" in args.systems:
             hf = load_hf(model_dir, DTYPES[dtype_name]).to(args.device)
         if "hf-static" in args.systems:
-            rows.append(run_hf_static(hf, reqs, args))
+            add_row(rows, run_hf_static(hf, reqs, args))
         if "hf-continuous" in args.systems:
             try:
                 row = run_hf_continuous(hf, reqs, args)
@@ -239,7 +256,7 @@ def main(argv=None) -> int:
                 print(f"hf-continuous failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 row = None
             if row:
-                rows.append(row)
+                add_row(rows, row)
         del hf
         print_table(rows, f"{dtype_name} on {args.device}" + (" — prefix-heavy" if prefix else ""))
         if args.prefix_heavy:

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue: throughput and memory): correctness on CUDA, then the
-# throughput benchmark beside transformers. Installs nothing; uses the machine's python3 with
-# torch and transformers. Without a GPU it runs a CPU fallback so the script itself is tested.
+# One prepared GPU check (issue: throughput and memory): correctness on CUDA (varlen attention,
+# decode CUDA graphs), decode-step timing graphs vs eager, then the throughput benchmark beside
+# transformers. Installs nothing; uses the machine's python3 with torch and transformers.
+# Without a GPU it runs a CPU fallback so the script itself is tested. Every stage has its own
+# time limit and prints as it goes, so a stage that fails or runs long costs only itself.
 #
-#   bash scripts/device_check.sh            # writes logs and JSON under ${OUT:-/tmp/qil-device-check}
+#   bash scripts/device_check.sh            # logs and JSON under ${OUT:-/tmp/qil-device-check}
 #
-# Budget: under 8 minutes on one H200.
+# Budget: about 6 minutes on one H200 (stage limits add up to under 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/qil-device-check}"
@@ -13,29 +15,65 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 status=0
+model=/tmp/qil-bench-model
+stage() { echo; echo "== $1 ($(date +%T)) =="; }
 
 if "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    "$py" -c 'import torch; print("torch", torch.__version__, "on", torch.cuda.get_device_name())'
-    echo "== engine tests on CUDA =="
-    QIL_TEST_DEVICE=cuda timeout 240 "$py" -m pytest -q -p no:cacheprovider -s \
-        tests/test_gpu.py tests/test_model_logits.py tests/test_engine_generate.py \
-        tests/test_engine_sampling.py tests/test_prefix_cache.py 2>&1 | tee "$out/tests.log" | tail -25 || status=1
-    echo "== validate (0.6B shape, bf16) =="
+    stage "environment"
+    "$py" - <<'PY'
+import torch, transformers
+from qil_worker.model.varlen import probe_varlen
+print("torch", torch.__version__, "transformers", transformers.__version__, "on", torch.cuda.get_device_name())
+for page in (16, 64, 256):
+    why = probe_varlen(torch.device("cuda"), torch.bfloat16, page, 16, 8, 128)
+    print(f"varlen paged attention, page size {page}: {'OK' if why is None else why}")
+PY
+    stage "engine tests on CUDA"
+    QIL_TEST_DEVICE=cuda timeout 150 "$py" -m pytest -q -p no:cacheprovider -s \
+        tests/test_gpu.py tests/test_decode_graphs.py tests/test_model_logits.py \
+        tests/test_engine_generate.py tests/test_engine_sampling.py tests/test_prefix_cache.py \
+        2>&1 | grep -v "Warning\|warn(" | tee "$out/tests.log" | tail -30 || status=1
+
+    stage "0.6B-shaped model"
     "$py" - <<'PY'
 import sys; sys.path.insert(0, "scripts")
 from pathlib import Path
 from bench_engine import FULL_SHAPE, ensure_model
 ensure_model(Path("/tmp/qil-bench-model"), FULL_SHAPE)
 PY
-    timeout 120 "$py" scripts/validate.py --model /tmp/qil-bench-model --device cuda --dtype bfloat16 \
+    # the page size the paged varlen kernel accepts (if any) is used for the benchmarks
+    page=$("$py" -c '
+import torch
+from qil_worker.model.varlen import probe_varlen
+ok = [p for p in (16, 64, 256) if probe_varlen(torch.device("cuda"), torch.bfloat16, p, 16, 8, 128) is None]
+print(ok[0] if ok else 16)')
+    echo "benchmark page size: $page"
+
+    stage "validate (0.6B shape, bf16, page size 16)"
+    timeout 90 "$py" scripts/validate.py --model "$model" --device cuda --dtype bfloat16 \
         --output "$out/validate_bf16.json" 2>&1 | tail -8 || status=1
-    echo "== throughput: 256 requests, prompt/output 100-1024, bf16 =="
-    timeout 360 "$py" scripts/bench_throughput.py --device cuda --model-dir /tmp/qil-bench-model \
-        --hf-batch 64 --json "$out/throughput.json" 2>&1 | grep -v Warning | tee "$out/throughput.log" | tail -12 || status=1
+
+    stage "decode step: CUDA graphs vs eager (page size $page)"
+    timeout 90 "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
+        --batch 1 8 64 256 2>&1 | grep -v Warning | tee "$out/decode_step.log" || status=1
+
+    stage "throughput: 256 requests, prompt/output 100-1024, bf16 — qil"
+    timeout 120 "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --page-size "$page" \
+        --token-budget 4096 --prefill-chunk 2048 --systems qil qil-eager \
+        --json "$out/throughput_qil.json" 2>&1 | grep -v Warning | tee "$out/throughput_qil.log" | tail -8 || status=1
+    stage "throughput — transformers continuous batching"
+    timeout 120 "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --systems hf-continuous \
+        --json "$out/throughput_hf_cb.json" 2>&1 | grep "^\[\|failed\|Error" | tail -5 || status=1
+    stage "throughput — transformers static batch of 256"
+    timeout 90 "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --systems hf-static \
+        --hf-batch 256 --json "$out/throughput_hf_static.json" 2>&1 | grep "^\[\|Error" | tail -5 || status=1
 else
     echo "no CUDA device: CPU fallback (quick sizes)"
-    timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_model_logits.py 2>&1 | tail -3 || status=1
+    timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_decode_graphs.py \
+        tests/test_model_logits.py 2>&1 | tail -3 || status=1
+    timeout 120 "$py" scripts/bench_decode_step.py --quick --batch 1 8 --steps 5 || status=1
     timeout 300 "$py" scripts/bench_throughput.py --quick --dtype float32 --json "$out/throughput.json" 2>&1 \
         | grep -v Warning | tail -8 || status=1
 fi
+stage "done (status $status)"
 exit $status

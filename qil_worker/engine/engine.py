@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from qil_worker.engine.batch import build_step_batch
+from qil_worker.engine.decode_graphs import DecodeGraphs
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
 from qil_worker.engine.request import Request
 from qil_worker.engine.sampler import Sampler
@@ -32,6 +33,8 @@ from qil_worker.text.output import TextOutput
 from qil_worker.text.prompt import encode_prompt
 
 log = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 512  # decode steps with more requests than this run eagerly
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,11 @@ class Engine:
         debug: bool = False,
         tokenizer: Any = None,
         prefix_cache: bool = True,
+        cuda_graphs: bool | None = None,
     ) -> None:
+        """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
+        off with ``debug``). Given ``True`` on another device, the same padded decode path runs
+        without capture (for tests)."""
         for name, value in (
             ("num_pages", num_pages),
             ("page_size", page_size),
@@ -80,9 +87,13 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer  # optional: text prompts, text deltas, stop strings
         self.page_size = page_size
+        if cuda_graphs is None:
+            cuda_graphs = model.device.type == "cuda" and not debug
+        elif cuda_graphs and debug and model.device.type == "cuda":
+            raise ValueError("debug checks read the device inside the forward; they cannot be captured")
         self.kv = KVCache(
             c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
-            model.dtype, model.device, debug=debug,
+            model.dtype, model.device, debug=debug, scratch_pages=1 if cuda_graphs else 0,
         )
         self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
         self.prefix_cache = PrefixCache(self.pool, page_size) if prefix_cache else None
@@ -96,6 +107,15 @@ class Engine:
         self.attention_backend = "sdpa" if why_not else "varlen"
         if why_not and model.device.type == "cuda":
             log.info("attention: gather + SDPA (paged varlen flash attention unavailable: %s)", why_not)
+        self.decode_graphs = (
+            DecodeGraphs(
+                model, self.kv, page_size, max_batch=min(max_active, MAX_GRAPH_BATCH),
+                max_context=min(c.max_position_embeddings, num_pages * page_size),
+                varlen=self.attention_backend == "varlen",
+            )
+            if cuda_graphs
+            else None
+        )
         self._eos_ids = frozenset(c.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._pending: list[Event] = []  # final events of cancels, emitted by the next step
@@ -197,22 +217,27 @@ class Engine:
             if chunk.request.metrics.first_scheduled_time is None:
                 chunk.request.metrics.first_scheduled_time = now
         try:
-            batch = build_step_batch(
-                chunks, self.page_size, self.model.config.num_query_groups, self.model.device,
-                varlen=self.attention_backend == "varlen",
-            )
-            logits = self.model(
-                batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices
-            )
-            sampled = self.sampler.sample(logits, [c.request for c in batch.sampled])
+            if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
+                logits = self.decode_graphs.run(chunks)
+                computed = sampled_chunks = chunks
+            else:
+                batch = build_step_batch(
+                    chunks, self.page_size, self.model.config.num_query_groups, self.model.device,
+                    varlen=self.attention_backend == "varlen",
+                )
+                logits = self.model(
+                    batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices
+                )
+                computed, sampled_chunks = batch.chunks, batch.sampled
+            sampled = self.sampler.sample(logits, [c.request for c in sampled_chunks])
         except Exception as exc:  # the whole forward failed: fail its requests, keep serving
             log.exception("step failed for %d request(s)", len(chunks))
             for chunk in chunks:
                 events.append(self._fail(chunk.request, f"step failed: {type(exc).__name__}: {exc}"))
             return events
-        self.scheduler.commit(batch.chunks)
+        self.scheduler.commit(computed)
         now = time.perf_counter()
-        for i, chunk in enumerate(batch.sampled):
+        for i, chunk in enumerate(sampled_chunks):
             events.append(
                 self._accept_token(
                     chunk.request, sampled.tokens[i], now, sampled.logprobs[i], sampled.top_logprobs[i]
@@ -333,6 +358,7 @@ class Engine:
             if not request.finished:
                 self._finish(request, FinishReason.CANCELLED)
         self._closed = True
+        self.decode_graphs = None  # graphs hold the KV tensors' addresses
         self.kv.k = self.kv.v = torch.empty(0)
 
     def _check_open(self) -> None:

@@ -22,13 +22,17 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         debug: bool = False,
+        scratch_pages: int = 0,
     ) -> None:
+        """``scratch_pages`` extra pages after the pool's (never handed out): padded rows of a
+        CUDA-graph decode batch write their throwaway K/V there."""
         self.page_size = page_size
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.scratch_page = num_pages if scratch_pages else None
+        shape = (num_layers, (num_pages + scratch_pages) * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.debug = debug
-        self._written = torch.zeros(num_pages * page_size, dtype=torch.bool) if debug else None
+        self._written = torch.zeros((num_pages + scratch_pages) * page_size, dtype=torch.bool) if debug else None
 
     @property
     def nbytes(self) -> int:

@@ -153,9 +153,24 @@ class Qwen3(nn.Module):
         sample_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Compute all ``input_ids`` [T] and return logits [S, vocab] at ``sample_indices`` [S]."""
+        hidden = self.hidden_states(input_ids, positions, meta, kv)
+        return self.logits(hidden.index_select(0, sample_indices))
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+    ) -> torch.Tensor:
+        """The decoder stack: [T] tokens → [T, hidden] before the final norm (writes their K/V).
+
+        Split from ``logits`` so a captured CUDA graph can stop here and keep its output small.
+        """
         x = F.embedding(input_ids, self.embed)
         rope = self.rope.lookup(positions)
         for layer in self.layers:
             x = layer(x, rope, meta, kv)
-        x = self.norm(x.index_select(0, sample_indices))
-        return F.linear(x, self.embed if self.lm_head is None else self.lm_head)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head for the rows that are sampled: [S, hidden] → [S, vocab]."""
+        return F.linear(self.norm(hidden), self.embed if self.lm_head is None else self.lm_head)

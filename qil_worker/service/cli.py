@@ -51,6 +51,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--no-prefix-cache", action="store_true",
         help="do not reuse the KV of shared prompt prefixes (on by default)",
     )
+    p.add_argument(
+        "--no-cuda-graphs", action="store_true",
+        help="run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)",
+    )
     tok = p.add_mutually_exclusive_group()
     tok.add_argument(
         "--tokenizer", default=None, metavar="DIR",
@@ -169,6 +173,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                 prefill_chunk=args.prefill_chunk,
                 max_active=args.max_active,
                 prefix_cache=not args.no_prefix_cache,
+                **({"cuda_graphs": False} if args.no_cuda_graphs else {}),
             ),
             kv_memory_bytes=args.kv_memory_bytes,
             kv_memory_fraction=args.kv_memory_fraction,

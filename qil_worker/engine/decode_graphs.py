@@ -1,0 +1,217 @@
+"""Decode steps replayed from CUDA graphs captured per (batch bucket, context bucket).
+
+A decode step launches hundreds of small kernels whose Python and launch overhead dominates at
+small batch. Here a decode-only step (every chunk is one token that is sampled) is padded to a
+batch bucket and a context bucket and replayed from a graph captured for that shape:
+
+- static inputs — token ids, positions and a block table — are the only things copied per step;
+  everything attention needs (KV slots, the mask or the varlen offsets) is derived from them
+  *inside* the graph, so the graph works for the SDPA gather path and for varlen alike;
+- padded rows read and write only the KV cache's scratch page, never a real request's;
+- the graph stops at the decoder stack's hidden states, and the final norm + LM head run eagerly
+  on the real rows only, so each graph's output stays small and memory is one shared pool.
+
+Graphs are captured lazily on first use of a shape (logged with the time it took). Shapes
+beyond the largest bucket run eagerly. On a non-CUDA device the same padded path runs without
+capture — this is how CPU tests check the padding, scratch page and bucket logic.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from itertools import chain
+
+import torch
+
+from qil_worker.engine.scheduler import ScheduledChunk
+from qil_worker.kv import KVCache
+from qil_worker.model import Qwen3
+from qil_worker.model.attention import AttentionGroup, AttentionMetadata
+from qil_worker.model.varlen import VarlenMetadata
+
+log = logging.getLogger(__name__)
+
+SMALL_BATCHES = (1, 2, 4, 8)
+MIN_CONTEXT_BUCKET = 256
+# The gather + SDPA path materialises [batch, context] keys and values per layer; a graph keeps
+# that workspace reserved, so shapes whose gather exceeds this run eagerly instead.
+MAX_GATHER_BYTES = 4 << 30
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_batch`` (always included)."""
+    sizes = [b for b in SMALL_BATCHES if b < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(sizes + [max_batch]))
+
+
+def context_buckets(max_context: int, page_size: int) -> list[int]:
+    """Powers of two from 256 tokens, page-aligned, the last covering ``max_context``."""
+    def align(n: int) -> int:
+        return -(-n // page_size) * page_size
+
+    sizes, n = [], MIN_CONTEXT_BUCKET
+    while n < max_context:
+        sizes.append(align(n))
+        n *= 2
+    sizes.append(align(max_context))
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Runs decode-only steps through padded static buffers, from CUDA graphs where possible."""
+
+    def __init__(
+        self,
+        model: Qwen3,
+        kv: KVCache,
+        page_size: int,
+        max_batch: int,
+        max_context: int,
+        varlen: bool,
+    ) -> None:
+        if kv.scratch_page is None:
+            raise ValueError("the KV cache needs a scratch page for padded decode rows")
+        self.model = model
+        self.kv = kv
+        self.page_size = page_size
+        self.varlen = varlen
+        self.capture = model.device.type == "cuda"
+        self._bytes_per_key = kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
+        self.batches = batch_buckets(max_batch)
+        self.contexts = context_buckets(max_context, page_size)
+        device = model.device
+        max_pages = self.contexts[-1] // page_size
+        self._ids = torch.zeros(self.batches[-1], dtype=torch.long, device=device)
+        self._positions = torch.zeros(self.batches[-1], dtype=torch.long, device=device)
+        self._tables = torch.full(
+            (self.batches[-1], max_pages), kv.scratch_page, dtype=torch.long, device=device
+        )
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.capture_seconds = 0.0
+        self.steps = 0  # decode steps run through this path
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def handles(self, chunks: list[ScheduledChunk]) -> bool:
+        """A decode-only step that fits the buckets (and, for gather + SDPA, the gather cap)."""
+        if len(chunks) > self.batches[-1] or not all(c.num_tokens == 1 and c.samples for c in chunks):
+            return False
+        longest = max(c.end for c in chunks)
+        if longest > self.contexts[-1]:
+            return False
+        if self.varlen:
+            return True
+        batch = self.batches[bisect.bisect_left(self.batches, len(chunks))]
+        context = self.contexts[bisect.bisect_left(self.contexts, longest)]
+        return 2 * batch * context * self._bytes_per_key <= MAX_GATHER_BYTES
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits [len(chunks), vocab] for a step that ``handles`` accepted, rows in chunk order."""
+        rows = len(chunks)
+        self.steps += 1
+        batch = self.batches[bisect.bisect_left(self.batches, rows)]
+        context = self.contexts[bisect.bisect_left(self.contexts, max(c.end for c in chunks))]
+        self._stage(chunks, batch, context // self.page_size)
+        if not self.capture:
+            hidden = self._body(batch, context)
+        else:
+            graph, hidden = self._graphs.get((batch, context)) or self._capture(batch, context)
+            graph.replay()
+        return self.model.logits(hidden[:rows])
+
+    def _stage(self, chunks: list[ScheduledChunk], batch: int, pages: int) -> None:
+        """Copy this step's ids, positions and page tables into the static buffers (padded)."""
+        rows = len(chunks)
+        tables = [c.request.page_table.pages for c in chunks]
+        lengths = [len(t) for t in tables]
+        pin = self.capture
+        ids = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
+        positions = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
+        ids[:rows] = torch.tensor([c.request.token_ids(c.start, c.end)[0] for c in chunks])
+        positions[:rows] = torch.tensor([c.start for c in chunks])
+        table = torch.full((batch, pages), self.kv.scratch_page, dtype=torch.long, pin_memory=pin)
+        row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths))
+        starts = torch.tensor(list(chain([0], lengths[:-1]))).cumsum(0)
+        column = torch.arange(len(row_of)) - torch.repeat_interleave(starts, torch.tensor(lengths))
+        table[row_of, column] = torch.tensor(list(chain.from_iterable(tables)), dtype=torch.long)
+        self._ids[:batch].copy_(ids, non_blocking=True)
+        self._positions[:batch].copy_(positions, non_blocking=True)
+        self._tables[:batch, :pages].copy_(table, non_blocking=True)
+
+    def _body(self, batch: int, context: int) -> torch.Tensor:
+        """The graph's contents: metadata from the static buffers, then the decoder stack."""
+        positions = self._positions[:batch]
+        tables = self._tables[:batch, : context // self.page_size]
+        meta = decode_metadata(
+            tables, positions, self.page_size, context, self.model.config.num_query_groups, self.varlen
+        )
+        return self.model.hidden_states(self._ids[:batch], positions, meta, self.kv)
+
+    def _capture(self, batch: int, context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.model.device)
+        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(side):  # warm up outside capture (lazy init, workspace sizes)
+            self._body(batch, context)
+        torch.cuda.current_stream(self.model.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = self._body(batch, context)
+        self._graphs[(batch, context)] = (graph, hidden)
+        seconds = time.perf_counter() - t0
+        self.capture_seconds += seconds
+        log.info(
+            "captured decode CUDA graph: batch %d, context %d tokens, in %.0f ms (%d graphs, %.1f s total)",
+            batch, context, 1000 * seconds, len(self._graphs), self.capture_seconds,
+        )
+        return graph, hidden
+
+
+def decode_metadata(
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    page_size: int,
+    context: int,
+    query_groups: int,
+    varlen: bool,
+) -> AttentionMetadata:
+    """Attention metadata for one decode token per row, derived on the device (graph-safe).
+
+    ``tables`` [B, context/page_size] page ids (padding = scratch page), ``positions`` [B]:
+    each row's token position, which is also how many keys it has before this token.
+    """
+    rows = torch.arange(tables.shape[0], device=tables.device)
+    slot_mapping = tables[rows, positions // page_size] * page_size + positions % page_size
+    if varlen:
+        used = (positions + 1).to(torch.int32)
+        cu_k = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
+        cu_k[1:] = used.cumsum(0, dtype=torch.int32)
+        meta = VarlenMetadata(
+            cu_seq_q=torch.arange(tables.shape[0] + 1, dtype=torch.int32, device=tables.device),
+            cu_seq_k=cu_k,
+            seq_used_k=used,
+            block_table=tables.to(torch.int32),
+            max_q=1,
+            max_k=context,
+        )
+        return AttentionMetadata(slot_mapping, [], varlen=meta, page_size=page_size)
+    keys = torch.arange(context, device=tables.device)
+    key_slots = tables[:, keys // page_size] * page_size + keys % page_size
+    mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
+    mask = mask.expand(-1, 1, query_groups, -1)
+    group = AttentionGroup(
+        start=0,
+        end=tables.shape[0],
+        batch=tables.shape[0],
+        q_max=1,
+        pad_index=None,
+        key_slots=key_slots,
+        key_lengths=positions + 1,
+        mask=mask,
+    )
+    return AttentionMetadata(slot_mapping, [group], page_size=page_size)

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Time of one decode step, replayed from CUDA graphs against eager, at several batch sizes.
+
+For each batch size B: B requests with --prompt-len tokens are prefilled, then --steps decode
+steps are timed (wall time of ``Engine.step()``, which ends with the host reading the sampled
+tokens). Prints ms/step and tokens/s for graphs and eager, and the speed-up. CUDA only for the
+graph column; on CPU it shows the eager figure alone.
+
+    python scripts/bench_decode_step.py --device cuda --batch 1 8 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_engine import FULL_SHAPE, QUICK_SHAPE, ensure_model  # noqa: E402
+
+
+def time_steps(model, batch: int, prompt_len: int, steps: int, cuda_graphs: bool, page_size: int) -> float:
+    """Mean seconds per decode step of ``batch`` requests."""
+    from qil_worker import Engine
+
+    pages = batch * (-(-(prompt_len + steps + 8) // page_size)) + 8
+    engine = Engine(model, num_pages=pages, page_size=page_size, token_budget=max(4096, batch),
+                    prefill_chunk=prompt_len, max_active=batch, cuda_graphs=cuda_graphs,
+                    prefix_cache=False)
+    vocab = model.config.vocab_size
+    for b in range(batch):
+        engine.submit([(b * 131 + i * 7) % vocab for i in range(prompt_len)],
+                      max_new_tokens=steps + 8, ignore_eos=True)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill everyone
+        started.update(e.request_id for e in engine.step() if e.token_id is not None)
+    for _ in range(3):  # capture the graph, warm up
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        events = engine.step()
+        assert len(events) == batch, f"expected {batch} decode events, got {len(events)}"
+    elapsed = (time.perf_counter() - t0) / steps
+    engine.close()
+    return elapsed
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 elsewhere")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="tiny model (smoke test)")
+    args = p.parse_args(argv)
+
+    from qil_worker import Qwen3
+
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    default = Path.home() / ".cache" / "qil" / ("bench-quick" if args.quick else "bench-qwen3-0.6b-shape")
+    model = Qwen3.from_directory(ensure_model(args.model_dir or default, shape), device=args.device, dtype=args.dtype)
+    cuda = model.device.type == "cuda"
+    print(f"decode step, {model.dtype} on {model.device}, prompt {args.prompt_len}, page size {args.page_size}")
+    print(f"{'batch':>6}{'eager ms':>10}{'graph ms':>10}{'eager tok/s':>13}{'graph tok/s':>13}{'speed-up':>10}")
+    for batch in args.batch:
+        eager = time_steps(model, batch, args.prompt_len, args.steps, False, args.page_size)
+        graph = time_steps(model, batch, args.prompt_len, args.steps, True, args.page_size) if cuda else float("nan")
+        print(f"{batch:>6}{1000 * eager:>10.2f}{1000 * graph:>10.2f}{batch / eager:>13.0f}{batch / graph:>13.0f}"
+              f"{eager / graph:>9.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
