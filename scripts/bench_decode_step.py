@@ -26,14 +26,17 @@ def time_steps(model, batch: int, prompt_len: int, steps: int, cuda_graphs: bool
     """Mean seconds per decode step of ``batch`` requests."""
     from qil_worker import Engine
 
-    pages = batch * (-(-(prompt_len + steps + 8) // page_size)) + 8
-    engine = Engine(model, num_pages=pages, page_size=page_size, token_budget=max(4096, batch),
+    budget = max(4096, batch)
+    # early requests decode while later ones prefill: room for those tokens too
+    new_tokens = steps + 8 + -(-batch * prompt_len // budget)
+    pages = batch * (-(-(prompt_len + new_tokens) // page_size)) + 8
+    engine = Engine(model, num_pages=pages, page_size=page_size, token_budget=budget,
                     prefill_chunk=prompt_len, max_active=batch, cuda_graphs=cuda_graphs,
                     prefix_cache=False)
     vocab = model.config.vocab_size
     for b in range(batch):
         engine.submit([(b * 131 + i * 7) % vocab for i in range(prompt_len)],
-                      max_new_tokens=steps + 8, ignore_eos=True)
+                      max_new_tokens=new_tokens, ignore_eos=True)
     started: set[str] = set()
     while len(started) < batch:  # prefill everyone
         started.update(e.request_id for e in engine.step() if e.token_id is not None)
