@@ -40,6 +40,8 @@ def test_defaults_leave_pool_sizing_and_tokenizer_to_the_worker():
 def test_prefix_cache_and_tokenizer_flags():
     cfg = config_from_args(_parse(["--no-prefix-cache", "--tokenizer", "/tok"]))
     assert cfg.front.engine["prefix_cache"] is False
+    assert "cuda_graphs" not in cfg.front.engine  # the engine decides: on for CUDA
+    assert config_from_args(_parse(["--no-cuda-graphs"])).front.engine["cuda_graphs"] is False
     assert cfg.front.tokenizer == "/tok" and cfg.front.use_tokenizer
     cfg = config_from_args(_parse(["--no-tokenizer"]))
     assert not cfg.front.use_tokenizer
