@@ -1,9 +1,11 @@
 """Flatten one step's scheduled chunks into the tensors of a single model forward.
 
-Chunks of one token (decodes, and the last token of a recompute) form the first attention group,
-longer chunks the second; within the step's flat token order the groups are contiguous, so the
-model slices instead of gathering. Small index tensors are built on the host and moved once;
-the larger ones (key slots, masks) are derived on the device from them.
+Chunks of one token (decodes, and the last token of a recompute) come first, longer chunks
+after. Each kind is split into attention groups of similar shape — a group is one padded SDPA
+call, so a 60-token chunk never pads to a 250-token neighbour's length (see ``attention_groups``).
+Within the step's flat token order every group is contiguous, so the model slices instead of
+gathering. Small index tensors are built on the host and moved once; the larger ones (key
+slots, masks) are derived on the device from them.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ def build_step_batch(
 
     ``varlen``: describe attention for the CUDA paged kernel instead of padded SDPA groups.
     """
-    singles = [c for c in chunks if c.num_tokens == 1]
-    multis = [c for c in chunks if c.num_tokens > 1]
-    ordered = singles + multis
+    groups_of_chunks = attention_groups([c for c in chunks if c.num_tokens == 1]) + attention_groups(
+        [c for c in chunks if c.num_tokens > 1]
+    )
+    ordered = [c for group in groups_of_chunks for c in group]
 
     input_ids: list[int] = []
     positions: list[int] = []
@@ -66,14 +69,13 @@ def build_step_batch(
     slot_mapping = tables[rows_t, positions_t // page_size] * page_size + positions_t % page_size
 
     groups: list[AttentionGroup] = []
-    start = 0
-    for members, first_row in (() if varlen else ((singles, 0), (multis, len(singles)))):
-        if not members:
-            continue
+    start = first_row = 0
+    for members in () if varlen else groups_of_chunks:
         groups.append(
             _group(members, start, first_row, tables[first_row : first_row + len(members)], page_size, query_groups, device)
         )
         start += sum(c.num_tokens for c in members)
+        first_row += len(members)
 
     return StepBatch(
         input_ids=to_device(input_ids, device, torch.long),
@@ -88,6 +90,33 @@ def build_step_batch(
         sampled=sampled,
         chunks=ordered,
     )
+
+
+MAX_PADDING = 1.3  # a group's padded attention work may be at most this times its real work
+
+
+def attention_groups(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+    """Split chunks into groups whose padded shape wastes little attention work.
+
+    A group computes ``batch x max(queries) x max(keys)`` scores; the real work is the sum of
+    ``queries x keys`` of its members. Largest first, a chunk joins the current group while the
+    padded work stays within ``MAX_PADDING`` of the real work, else it starts the next group.
+    """
+    groups: list[list[ScheduledChunk]] = []
+    real = 0
+    for chunk in sorted(chunks, key=lambda c: (c.num_tokens, c.end), reverse=True):
+        group = groups[-1] if groups else None
+        work = chunk.num_tokens * chunk.end
+        if group is not None:
+            # the group's first member has the most queries; keys may still grow
+            padded = (len(group) + 1) * group[0].num_tokens * max(chunk.end, max(c.end for c in group))
+            if padded <= MAX_PADDING * (real + work):
+                group.append(chunk)
+                real += work
+                continue
+        groups.append([chunk])
+        real = work
+    return groups
 
 
 def _varlen_metadata(
@@ -139,4 +168,5 @@ def _group(
         key_slots=key_slots,
         key_lengths=torch.tensor([c.end for c in members], dtype=torch.long),
         mask=mask,
+        bias=torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")) if device.type == "cpu" else None,
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from qil_worker import cpu_memory
 from qil_worker.engine.batch import build_step_batch
 from qil_worker.engine.decode_graphs import DecodeGraphs
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
@@ -85,6 +86,8 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         c = model.config
         self.model = model
+        if model.device.type == "cpu":
+            cpu_memory.keep_freed_memory()
         self.tokenizer = tokenizer  # optional: text prompts, text deltas, stop strings
         self.page_size = page_size
         if cuda_graphs is None:

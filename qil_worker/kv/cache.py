@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from qil_worker import cpu_memory
+
 
 class KVCache:
     """K and V for ``num_pages`` pages of ``page_size`` tokens in every layer.
@@ -29,9 +31,16 @@ class KVCache:
         self.page_size = page_size
         self.scratch_page = num_pages if scratch_pages else None
         shape = (num_layers, (num_pages + scratch_pages) * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = cpu_memory.zeros(shape, dtype, device)
+        self.v = cpu_memory.zeros(shape, dtype, device)
         self.debug = debug
+        # CPU: gathered K/V go to buffers reused across layers and steps. Fresh tensors of tens of
+        # MB are new mappings every time, and their page faults cost more than the copy itself
+        # (measured: a [12320, 8, 128] float32 gather 14.3 ms fresh, 1.3 ms into a reused buffer).
+        # Not on CUDA, where the caching allocator already reuses memory and a captured graph
+        # must keep the addresses it was captured with.
+        self._reuse_gather = torch.device(device).type == "cpu"
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
         self._written = torch.zeros((num_pages + scratch_pages) * page_size, dtype=torch.bool) if debug else None
 
     @property
@@ -44,6 +53,24 @@ class KVCache:
         self.v[layer].index_copy_(0, slots, v)
         if self._written is not None and layer == 0:
             self._written[slots.cpu()] = True
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` at ``slots`` [N] as two contiguous [N, Hkv, D] tensors.
+
+        On CPU they live in reused buffers: valid until the next ``gather``.
+        """
+        k, v = self.k[layer], self.v[layer]
+        if not self._reuse_gather:
+            return k.index_select(0, slots), v.index_select(0, slots)
+        n = slots.numel()
+        if self._gathered is None or self._gathered[0].shape[0] < n:
+            rows = max(n, n * 5 // 4 if self._gathered is not None else n)
+            self._gathered = tuple(cpu_memory.empty((rows, *k.shape[1:]), k.dtype) for _ in range(2))
+        out_k, out_v = self._gathered
+        return (
+            torch.index_select(k, 0, slots, out=out_k[:n]),
+            torch.index_select(v, 0, slots, out=out_v[:n]),
+        )
 
     def check_readable(self, key_slots: torch.Tensor, key_lengths: torch.Tensor) -> None:
         """Debug check: the first ``key_lengths[b]`` slots of row ``b`` have all been written."""

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qil_worker import cpu_memory
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32."""
@@ -64,18 +66,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """``down(silu(gate(x)) * up(x))``; gate and up are one weight, used as one matmul when
+    ``fused`` (CUDA) or as two contiguous row slices."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up = nn.Parameter(
-            torch.empty(2 * intermediate, hidden, dtype=dtype, device=device), requires_grad=False
-        )
-        self.down = nn.Parameter(
-            torch.empty(hidden, intermediate, dtype=dtype, device=device), requires_grad=False
-        )
+        self.gate_up = nn.Parameter(cpu_memory.empty((2 * intermediate, hidden), dtype, device), requires_grad=False)
+        self.down = nn.Parameter(cpu_memory.empty((hidden, intermediate), dtype, device), requires_grad=False)
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        if self.fused:
+            gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
+        else:
+            gate = F.linear(x, self.gate_up[: self.intermediate])
+            up = F.linear(x, self.gate_up[self.intermediate :])
+        return F.linear(F.silu(gate, inplace=True).mul_(up), self.down)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qil_worker import cpu_memory
 from qil_worker.config import Qwen3Config
 from qil_worker.kv.cache import KVCache
 from qil_worker.model.attention import AttentionMetadata, paged_attention
@@ -36,7 +37,7 @@ class DecoderLayer(nn.Module):
         self.split = (q_size, kv_size, kv_size)
 
         def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+            return nn.Parameter(cpu_memory.empty(shape, dtype, device), requires_grad=False)
 
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.qkv = param(q_size + 2 * kv_size, c.hidden_size)  # q, k, v fused into one matmul
@@ -45,6 +46,11 @@ class DecoderLayer(nn.Module):
         self.o_proj = param(c.hidden_size, q_size)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, dtype, device)
+        # On CUDA one wide matmul saves launches; on CPU the split matmuls are faster (measured:
+        # fused [1024 x 6144] gate/up took 74-101 ms vs 2 x 34 ms split, 2 threads), so the fused
+        # weights are used through contiguous row slices there.
+        self.fused = device.type == "cuda"
+        self.mlp.fused = self.fused
 
     def forward(
         self,
@@ -54,7 +60,14 @@ class DecoderLayer(nn.Module):
         kv: KVCache,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = F.linear(self.input_norm(x), self.qkv).split(self.split, dim=-1)
+        h = self.input_norm(x)
+        if self.fused:
+            q, k, v = F.linear(h, self.qkv).split(self.split, dim=-1)
+        else:
+            q_size, kv_size, _ = self.split
+            q = F.linear(h, self.qkv[:q_size])
+            k = F.linear(h, self.qkv[q_size : q_size + kv_size])
+            v = F.linear(h, self.qkv[q_size + kv_size :])
         q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
         q, k = apply_rope(q, k, *rope)
@@ -62,7 +75,7 @@ class DecoderLayer(nn.Module):
         if kv.debug and self.index == 0:
             for g in meta.groups:
                 kv.check_readable(g.key_slots, g.key_lengths)
-        attn = paged_attention(q, kv.k[self.index], kv.v[self.index], meta)
+        attn = paged_attention(q, kv, self.index, meta)
         x = x + F.linear(attn, self.o_proj)
         return x + self.mlp(self.post_attention_norm(x))
 
@@ -75,7 +88,7 @@ class Qwen3(nn.Module):
         self.config = config
         device = torch.device(device)
         self.embed = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
+            cpu_memory.empty((config.vocab_size, config.hidden_size), dtype, device), requires_grad=False
         )
         self.layers = nn.ModuleList(DecoderLayer(i, config, dtype, device) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -83,7 +96,7 @@ class Qwen3(nn.Module):
             None
             if config.tie_word_embeddings
             else nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                cpu_memory.empty((config.vocab_size, config.hidden_size), dtype, device),
                 requires_grad=False,
             )
         )
