@@ -168,5 +168,4 @@ def _group(
         key_slots=key_slots,
         key_lengths=torch.tensor([c.end for c in members], dtype=torch.long),
         mask=mask,
-        bias=torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")) if device.type == "cpu" else None,
     )

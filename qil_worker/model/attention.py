@@ -37,7 +37,7 @@ class AttentionGroup:
     key_slots: torch.Tensor  # [batch, l_max] KV slots to gather (padding points at a valid slot)
     key_lengths: torch.Tensor  # [batch] how many keys each request has (for the debug check)
     mask: torch.Tensor  # [batch, 1, q_max*G, l_max] bool, True = may attend
-    bias: torch.Tensor | None = None  # CPU: the mask as float32 0 / -inf, built once per step
+    bias: torch.Tensor | None = None  # CPU prefill: the mask as 0 / -inf, made on first use
 
 
 @dataclass
@@ -91,19 +91,20 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
 
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """CPU attention for prefill chunks as QK^T → masked softmax in float32 → PV.
+    """CPU attention for prefill chunks as QK^T → masked softmax → PV, as transformers' eager
+    attention does it (scores in the model dtype, softmax accumulated in float32).
 
     On CPU the two matmuls run at GEMM speed while SDPA's fused kernel is bound by its
-    exponentials (measured, bfloat16, scores [2, 8, 436, 730]: SDPA 17 ms, this 7 ms; float32
+    exponentials (measured, bfloat16, scores [2, 8, 436, 730]: SDPA 17 ms, this 5 ms; float32
     on par). Decode rows gain nothing from it: they are bound by reading K/V, which SDPA does
-    in place. The softmax is float32 as in transformers' eager attention.
+    in place.
     """
-    bias = group.bias
-    if bias is None:
-        bias = torch.zeros(group.mask.shape).masked_fill_(~group.mask, float("-inf"))
+    if group.bias is None or group.bias.dtype != q.dtype:  # converted once, shared by all layers
+        mask = group.mask
+        group.bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
     # [B, L, Hkv, D] gathers viewed as [B, Hkv, L, D]: one copy with 256-byte runs here, or
     # matmul makes a far slower element-strided one of k^T (measured 2.8 vs 11.5 ms per call)
     k, v = k.contiguous(), v.contiguous()
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()
-    scores.mul_(q.shape[-1] ** -0.5).add_(bias)
-    return torch.matmul(scores.softmax(-1).to(q.dtype), v)
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores.mul_(q.shape[-1] ** -0.5).add_(group.bias)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
