@@ -1,0 +1,70 @@
+"""The CPU speed paths keep their contracts: grouping bounds padding, buffers hold right values."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qil_worker import cpu_memory
+from qil_worker.engine.batch import MAX_PADDING, attention_groups
+from qil_worker.kv import KVCache
+
+
+def _chunk(num_tokens: int, end: int):
+    return SimpleNamespace(num_tokens=num_tokens, end=end)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(250, 760), (60, 572)],
+        [(100, 612), (95, 607), (90, 602)],
+        [(1, 40), (1, 900), (1, 35), (1, 880), (1, 50)],
+        [(512, 512)],
+        [(7, 7), (300, 300), (8, 20), (299, 800), (2, 2)],
+    ],
+)
+def test_attention_groups_cover_every_chunk_and_bound_padding(shapes):
+    chunks = [_chunk(*s) for s in shapes]
+    groups = attention_groups(chunks)
+    flat = [c for g in groups for c in g]
+    assert sorted(map(id, flat)) == sorted(map(id, chunks))
+    for g in groups:
+        padded = len(g) * max(c.num_tokens for c in g) * max(c.end for c in g)
+        real = sum(c.num_tokens * c.end for c in g)
+        assert padded <= MAX_PADDING * real or len(g) == 1
+
+
+def test_a_short_chunk_is_not_padded_to_a_long_one():
+    groups = attention_groups([_chunk(250, 760), _chunk(60, 572)])
+    assert [len(g) for g in groups] == [1, 1]
+    assert len(attention_groups([_chunk(100, 612), _chunk(95, 607)])) == 1
+
+
+def test_huge_page_tensors_behave_like_empty_and_zeros():
+    big = cpu_memory.zeros((3, 1024, 1024), torch.float32)
+    assert big.shape == (3, 1024, 1024) and big.dtype == torch.float32 and big.is_contiguous()
+    assert not bool(big.any())
+    big[1, 2, 3] = 5.0
+    assert float(big.sum()) == 5.0
+    if sys.platform.startswith("linux"):
+        assert big.data_ptr() % cpu_memory.HUGE_PAGE == 0
+    small = cpu_memory.empty((4, 4), torch.bfloat16)
+    assert small.shape == (4, 4) and small.dtype == torch.bfloat16
+    assert isinstance(cpu_memory.keep_freed_memory(), bool)
+
+
+def test_kv_gather_matches_index_select_and_reuses_its_buffers():
+    kv = KVCache(2, 8, 4, 2, 8, torch.float32, torch.device("cpu"))
+    kv.k.copy_(torch.randn_like(kv.k))
+    kv.v.copy_(torch.randn_like(kv.v))
+    slots = torch.tensor([5, 0, 31, 7, 7, 12])
+    k, v = kv.gather(1, slots)
+    assert torch.equal(k, kv.k[1].index_select(0, slots)) and torch.equal(v, kv.v[1].index_select(0, slots))
+    first = k.data_ptr()
+    k2, _ = kv.gather(0, slots[:4])
+    assert k2.data_ptr() == first, "a smaller gather reuses the buffer"
+    assert torch.equal(k2, kv.k[0].index_select(0, slots[:4]))
+    k3, v3 = kv.gather(0, torch.arange(32))  # grows
+    assert torch.equal(k3, kv.k[0]) and torch.equal(v3, kv.v[0])
