@@ -1,7 +1,8 @@
-"""Causal attention over the paged KV cache with one SDPA call per group of requests.
+"""Causal attention over the paged KV cache with one attention call per group of requests.
 
 A step mixes decode tokens (one query per request) and prefill chunks (many). Requests are put in
-at most two groups — decodes, then prefill chunks — and each group runs as one padded batch:
+groups of similar shape (decodes apart from prefill chunks; see ``batch.attention_groups``) and
+each group runs as one padded batch:
 queries scattered into ``[B, Qmax]``, keys gathered from the page pool into ``[B, Lmax]``
 through each request's slot table, and a boolean mask that lets query ``i`` see key ``j`` only
 when ``j <= position(i)``. Because a request's keys are exactly positions ``0..ctx_len-1``, that
