@@ -100,3 +100,21 @@ def test_padded_rows_only_touch_the_scratch_page(model):
     # prompt + 4 outputs, minus the last (never fed back): 6, 9 and 5 positions = 2 + 3 + 2 pages
     assert len(used) <= 7, f"three short requests wrote into pages {sorted(used)}"
     assert not bool((engine.kv.k[:, scratch : scratch + 4] == marker).all()), "padding wrote nowhere"
+
+
+def test_a_failed_capture_falls_back_to_the_eager_padded_path(model, ref, monkeypatch):
+    prompts = _prompts([4, 9])
+    expected = [reference_greedy(ref, p, 6) for p in prompts]
+    engine = Engine(model, num_pages=32, page_size=4, cuda_graphs=True)
+    graphs = engine.decode_graphs
+
+    def broken(batch, context):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", broken)
+    graphs.capture = True  # as on CUDA
+    results = engine.generate(prompts, max_new_tokens=6)
+    assert [r.output_token_ids for r in results] == expected
+    assert all(r.error is None for r in results)
+    assert graphs.capture is False and graphs.steps > 0
+    assert_pool_free(engine)

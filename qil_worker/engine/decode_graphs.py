@@ -77,7 +77,8 @@ class DecodeGraphs:
         self.kv = kv
         self.page_size = page_size
         self.varlen = varlen
-        self.capture = model.device.type == "cuda"
+        self.capture = model.device.type == "cuda"  # False after a failed capture: eager from then on
+        self._pin = model.device.type == "cuda"  # staging buffers in pinned memory
         self._bytes_per_key = kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
         self.batches = batch_buckets(max_batch)
         self.contexts = context_buckets(max_context, page_size)
@@ -117,10 +118,17 @@ class DecodeGraphs:
         batch = self.batches[bisect.bisect_left(self.batches, rows)]
         context = self.contexts[bisect.bisect_left(self.contexts, max(c.end for c in chunks))]
         self._stage(chunks, batch, context // self.page_size)
-        if not self.capture:
+        captured = self._graphs.get((batch, context))
+        if captured is None and self.capture:
+            try:
+                captured = self._capture(batch, context)
+            except Exception:  # noqa: BLE001 - a build that cannot capture still serves, eagerly
+                log.warning("CUDA graph capture failed; decode steps run eagerly from now on", exc_info=True)
+                self.capture = False
+        if captured is None:
             hidden = self._body(batch, context)
         else:
-            graph, hidden = self._graphs.get((batch, context)) or self._capture(batch, context)
+            graph, hidden = captured
             graph.replay()
         return self.model.logits(hidden[:rows])
 
@@ -129,7 +137,7 @@ class DecodeGraphs:
         rows = len(chunks)
         tables = [c.request.page_table.pages for c in chunks]
         lengths = [len(t) for t in tables]
-        pin = self.capture
+        pin = self._pin
         ids = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
         positions = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
         ids[:rows] = torch.tensor([c.request.token_ids(c.start, c.end)[0] for c in chunks])
