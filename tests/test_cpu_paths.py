@@ -68,3 +68,30 @@ def test_kv_gather_matches_index_select_and_reuses_its_buffers():
     assert torch.equal(k2, kv.k[0].index_select(0, slots[:4]))
     k3, v3 = kv.gather(0, torch.arange(32))  # grows
     assert torch.equal(k3, kv.k[0]) and torch.equal(v3, kv.v[0])
+
+
+def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tiny_dir, monkeypatch):
+    """With the prefix cache, decode rows share prompt pages; attention reads those keys once
+    for the group (merged by log-sum-exp) and the tokens stay exactly transformers' greedy ones."""
+    import random
+
+    import qil_worker.model.attention as attention
+    from checkpoints import load_reference
+    from engine_helpers import assert_pool_free, reference_greedy
+    from qil_worker import Engine, Qwen3
+
+    model = Qwen3.from_directory(tiny_dir, dtype="float32")
+    ref = load_reference(tiny_dir)
+    rng = random.Random(4)
+    prefix = [rng.randrange(1, 97) for _ in range(80)]
+    prompts = [prefix + [rng.randrange(1, 97) for _ in range(n)] for n in (3, 9, 1, 14)]
+    expected = [reference_greedy(ref, p, 8) for p in prompts]
+    calls = []
+    partial = attention._prefix_partial
+    monkeypatch.setattr(attention, "_prefix_partial", lambda *a: calls.append(1) or partial(*a))
+    engine = Engine(model, num_pages=128, page_size=4, debug=True)
+    engine.generate(prompts[:1], max_new_tokens=1)  # leaves the prefix pages cached
+    results = engine.generate(prompts, max_new_tokens=8)
+    assert [r.output_token_ids for r in results] == expected
+    assert calls, "decodes of requests sharing 80 prompt tokens should take the shared-prefix path"
+    assert_pool_free(engine)

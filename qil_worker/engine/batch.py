@@ -148,7 +148,9 @@ def _group(
     batch = len(members)
     q_max = max(c.num_tokens for c in members)
     l_max = max(c.end for c in members)
-    key_positions = torch.arange(l_max, device=device)
+    shared = _shared_prefix_pages(members, page_size) if device.type == "cpu" and q_max == 1 else 0
+    prefix_tokens = shared * page_size
+    key_positions = torch.arange(prefix_tokens, l_max, device=device)
     key_slots = tables[:, key_positions // page_size] * page_size + key_positions % page_size
     # Padded query rows look at key 0 only (always written), so no row is fully masked.
     query_positions = torch.zeros(batch, q_max, dtype=torch.long)
@@ -166,6 +168,31 @@ def _group(
         q_max=q_max,
         pad_index=None if q_max == 1 else to_device(pad_index, device, torch.long),
         key_slots=key_slots,
-        key_lengths=torch.tensor([c.end for c in members], dtype=torch.long),
+        key_lengths=torch.tensor([c.end - prefix_tokens for c in members], dtype=torch.long),
         mask=mask,
+        prefix_slots=(
+            to_device(
+                [p * page_size + o for p in members[0].request.page_table.pages[:shared] for o in range(page_size)],
+                device, torch.long,
+            )
+            if shared
+            else None
+        ),
     )
+
+
+MIN_SHARED_PREFIX_TOKENS = 64
+
+
+def _shared_prefix_pages(members: list[ScheduledChunk], page_size: int) -> int:
+    """Leading pages that every decode row of the group holds (the same physical pages, shared
+    through the prefix cache), all before every row's current token; 0 when too few to pay."""
+    if len(members) < 2:
+        return 0
+    limit = min(c.start for c in members) // page_size
+    shared = 0
+    for column in zip(*(c.request.page_table.pages[:limit] for c in members)):
+        if any(page != column[0] for page in column):
+            break
+        shared += 1
+    return shared if shared * page_size >= MIN_SHARED_PREFIX_TOKENS else 0

@@ -39,6 +39,9 @@ class AttentionGroup:
     key_lengths: torch.Tensor  # [batch] how many keys each request has (for the debug check)
     mask: torch.Tensor  # [batch, 1, q_max*G, l_max] bool, True = may attend
     bias: torch.Tensor | None = None  # CPU prefill: the mask as 0 / -inf, made on first use
+    # CPU decodes sharing leading pages: those keys' slots, attended once for all rows; then
+    # key_slots / mask / key_lengths cover only the keys after them
+    prefix_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,11 +77,14 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
             .permute(0, 2, 1, 3, 4)
             .reshape(b, num_kv_heads, qm * groups_per_kv, head_dim)
         )
+        prefix = _prefix_partial(q_pad, kv, layer, g.prefix_slots) if g.prefix_slots is not None else None
         l_max = g.key_slots.shape[1]
         keys, values = kv.gather(layer, g.key_slots.view(-1))
         keys = keys.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
         values = values.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
-        if q.device.type == "cpu" and qm > 1:  # prefill chunks; decodes are memory-bound: SDPA
+        if prefix is not None:
+            out = _merge_with_prefix(prefix, q_pad, keys, values, g)
+        elif q.device.type == "cpu" and qm > 1:  # prefill chunks; decodes are memory-bound: SDPA
             out = _explicit_attention(q_pad, keys, values, g)
         else:
             out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=g.mask)
@@ -109,3 +115,48 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     scores = torch.matmul(q, k.transpose(-1, -2))
     scores.mul_(q.shape[-1] ** -0.5).add_(group.bias)
     return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _prefix_partial(
+    q: torch.Tensor, kv: KVCache, layer: int, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalised attention of decode queries ``q`` [B, Hkv, G, D] over keys every row shares.
+
+    The shared keys are gathered and read once for the whole group instead of once per row.
+    Returns (row max, sum of exponentials, exp-weighted values), float32, shaped [B, Hkv, G, *].
+    """
+    b, kv_heads, groups, dim = q.shape
+    keys, values = kv.gather(layer, slots)  # [Lp, Hkv, D]
+    q_heads = q.permute(1, 0, 2, 3).reshape(kv_heads, b * groups, dim)
+    scores = torch.bmm(q_heads, keys.permute(1, 2, 0)).float().mul_(dim**-0.5)  # [Hkv, B*G, Lp]
+    high = scores.amax(-1, keepdim=True)
+    weights = scores.sub_(high).exp_()
+    total = weights.sum(-1, keepdim=True)
+    weighted = torch.bmm(weights.to(q.dtype), values.permute(1, 0, 2)).float()  # [Hkv, B*G, D]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.view(kv_heads, b, groups, t.shape[-1]).permute(1, 0, 2, 3)
+
+    return rows(high), rows(total), rows(weighted)
+
+
+def _merge_with_prefix(
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: AttentionGroup,
+) -> torch.Tensor:
+    """Attention over the rows' own keys, combined with the shared-prefix part by log-sum-exp."""
+    high_p, total_p, weighted_p = prefix
+    bias = torch.zeros(group.mask.shape).masked_fill_(~group.mask, float("-inf"))
+    k, v = k.contiguous(), v.contiguous()
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(q.shape[-1] ** -0.5).add_(bias)
+    high_s = scores.amax(-1, keepdim=True)  # finite: each row's own token is among these keys
+    weights = scores.sub_(high_s).exp_()
+    total_s = weights.sum(-1, keepdim=True)
+    weighted_s = torch.matmul(weights.to(q.dtype), v).float()
+    high = torch.maximum(high_p, high_s)
+    scale_p, scale_s = torch.exp(high_p - high), torch.exp(high_s - high)
+    out = (weighted_p * scale_p + weighted_s * scale_s) / (total_p * scale_p + total_s * scale_s)
+    return out.to(q.dtype)

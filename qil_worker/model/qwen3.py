@@ -75,6 +75,8 @@ class DecoderLayer(nn.Module):
         if kv.debug and self.index == 0:
             for g in meta.groups:
                 kv.check_readable(g.key_slots, g.key_lengths)
+                if g.prefix_slots is not None:
+                    kv.check_readable(g.prefix_slots[None], torch.tensor([g.prefix_slots.numel()]))
         attn = paged_attention(q, kv, self.index, meta)
         x = x + F.linear(attn, self.o_proj)
         return x + self.mlp(self.post_attention_norm(x))
