@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import FULL_SHAPE, QUICK_SHAPE, ensure_model  # noqa: E402
 

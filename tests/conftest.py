@@ -39,3 +39,19 @@ def tiny_untied_sharded_dir(tmp_path_factory) -> Path:
     return make_checkpoint(
         tmp_path_factory.mktemp("sharded"), seed=1, tie_word_embeddings=False, max_shard_size="30KB"
     )
+
+
+@pytest.fixture(scope="session")
+def model(tiny_dir, device):
+    """qil's float32 model of ``tiny_dir`` on the test device (modules may define their own)."""
+    from qil_worker import Qwen3
+
+    return Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def ref(tiny_dir):
+    """transformers' float32 model of ``tiny_dir`` on the CPU: the correctness oracle."""
+    from checkpoints import load_reference
+
+    return load_reference(tiny_dir)

@@ -70,18 +70,16 @@ def test_kv_gather_matches_index_select_and_reuses_its_buffers():
     assert torch.equal(k3, kv.k[0]) and torch.equal(v3, kv.v[0])
 
 
-def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tiny_dir, monkeypatch):
+def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tiny_dir, ref, monkeypatch):
     """With the prefix cache, decode rows share prompt pages; attention reads those keys once
     for the group (merged by log-sum-exp) and the tokens stay exactly transformers' greedy ones."""
     import random
 
     import qil_worker.model.attention as attention
-    from checkpoints import load_reference
     from engine_helpers import assert_pool_free, reference_greedy
     from qil_worker import Engine, Qwen3
 
-    model = Qwen3.from_directory(tiny_dir, dtype="float32")
-    ref = load_reference(tiny_dir)
+    model = Qwen3.from_directory(tiny_dir, dtype="float32")  # the CPU path, whatever the test device
     rng = random.Random(4)
     prefix = [rng.randrange(1, 97) for _ in range(80)]
     prompts = [prefix + [rng.randrange(1, 97) for _ in range(n)] for n in (3, 9, 1, 14)]

@@ -9,20 +9,9 @@ import random
 
 import pytest
 
-from checkpoints import load_reference
 from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
-from qil_worker import Engine, FinishReason, Qwen3
+from qil_worker import Engine, FinishReason
 from qil_worker.engine.decode_graphs import batch_buckets, context_buckets
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir, device):
-    return Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_dir):
-    return load_reference(tiny_dir)
 
 
 def _prompts(lengths, seed=3):

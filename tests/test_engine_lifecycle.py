@@ -4,7 +4,6 @@ import random
 
 import pytest
 
-from checkpoints import load_reference
 from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
 from qil_worker import (
     CapacityError,
@@ -12,19 +11,8 @@ from qil_worker import (
     Engine,
     FinishReason,
     InvalidRequestError,
-    Qwen3,
     UnknownRequestError,
 )
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir, device):
-    return Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_dir):
-    return load_reference(tiny_dir)
 
 
 def test_cancel_mid_prefill_frees_pages_at_once(model):

@@ -12,11 +12,6 @@ from qil_worker import Engine, FinishReason, InvalidRequestError, Qwen3
 SAMPLED = dict(temperature=0.9, top_p=0.95, top_k=40, repetition_penalty=1.1, seed=1234)
 
 
-@pytest.fixture(scope="module")
-def model(tiny_dir, device):
-    return Qwen3.from_directory(tiny_dir, device=device, dtype="float32")
-
-
 def _noise_prompts(n, seed):
     rng = random.Random(seed)
     return [[rng.randrange(97) for _ in range(rng.randint(1, 40))] for _ in range(n)]

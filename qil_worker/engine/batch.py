@@ -103,19 +103,18 @@ def attention_groups(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]
     padded work stays within ``MAX_PADDING`` of the real work, else it starts the next group.
     """
     groups: list[list[ScheduledChunk]] = []
-    real = 0
+    real = keys = 0  # the current group's real work and most keys
     for chunk in sorted(chunks, key=lambda c: (c.num_tokens, c.end), reverse=True):
-        group = groups[-1] if groups else None
         work = chunk.num_tokens * chunk.end
-        if group is not None:
+        if groups:
+            group = groups[-1]
             # the group's first member has the most queries; keys may still grow
-            padded = (len(group) + 1) * group[0].num_tokens * max(chunk.end, max(c.end for c in group))
-            if padded <= MAX_PADDING * (real + work):
+            if (len(group) + 1) * group[0].num_tokens * max(keys, chunk.end) <= MAX_PADDING * (real + work):
                 group.append(chunk)
-                real += work
+                real, keys = real + work, max(keys, chunk.end)
                 continue
         groups.append([chunk])
-        real = work
+        real, keys = work, chunk.end
     return groups
 
 
@@ -171,10 +170,7 @@ def _group(
         key_lengths=torch.tensor([c.end - prefix_tokens for c in members], dtype=torch.long),
         mask=mask,
         prefix_slots=(
-            to_device(
-                [p * page_size + o for p in members[0].request.page_table.pages[:shared] for o in range(page_size)],
-                device, torch.long,
-            )
+            (tables[0, :shared, None] * page_size + torch.arange(page_size, device=device)).view(-1)
             if shared
             else None
         ),

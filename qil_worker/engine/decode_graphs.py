@@ -102,21 +102,23 @@ class DecodeGraphs:
         """A decode-only step that fits the buckets (and, for gather + SDPA, the gather cap)."""
         if len(chunks) > self.batches[-1] or not all(c.num_tokens == 1 and c.samples for c in chunks):
             return False
-        longest = max(c.end for c in chunks)
-        if longest > self.contexts[-1]:
+        if max(c.end for c in chunks) > self.contexts[-1]:
             return False
         if self.varlen:
             return True
-        batch = self.batches[bisect.bisect_left(self.batches, len(chunks))]
-        context = self.contexts[bisect.bisect_left(self.contexts, longest)]
+        batch, context = self._shape(chunks)
         return 2 * batch * context * self._bytes_per_key <= MAX_GATHER_BYTES
+
+    def _shape(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
+        """The (batch, context) bucket a step is padded to."""
+        batch = self.batches[bisect.bisect_left(self.batches, len(chunks))]
+        return batch, self.contexts[bisect.bisect_left(self.contexts, max(c.end for c in chunks))]
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [len(chunks), vocab] for a step that ``handles`` accepted, rows in chunk order."""
         rows = len(chunks)
         self.steps += 1
-        batch = self.batches[bisect.bisect_left(self.batches, rows)]
-        context = self.contexts[bisect.bisect_left(self.contexts, max(c.end for c in chunks))]
+        batch, context = self._shape(chunks)
         self._stage(chunks, batch, context // self.page_size)
         captured = self._graphs.get((batch, context))
         if captured is None and self.capture:

@@ -64,7 +64,7 @@ class KVCache:
             return k.index_select(0, slots), v.index_select(0, slots)
         n = slots.numel()
         if self._gathered is None or self._gathered[0].shape[0] < n:
-            rows = max(n, n * 5 // 4 if self._gathered is not None else n)
+            rows = n if self._gathered is None else n * 5 // 4  # grown: leave room to grow more
             self._gathered = tuple(cpu_memory.empty((rows, *k.shape[1:]), k.dtype) for _ in range(2))
         out_k, out_v = self._gathered
         return (

@@ -106,38 +106,48 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     on par). Decode rows gain nothing from it: they are bound by reading K/V, which SDPA does
     in place.
     """
-    if group.bias is None or group.bias.dtype != q.dtype:  # converted once, shared by all layers
-        mask = group.mask
-        group.bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
-    # [B, L, Hkv, D] gathers viewed as [B, Hkv, L, D]: one copy with 256-byte runs here, or
-    # matmul makes a far slower element-strided one of k^T (measured 2.8 vs 11.5 ms per call)
-    k, v = k.contiguous(), v.contiguous()
-    scores = torch.matmul(q, k.transpose(-1, -2))
-    scores.mul_(q.shape[-1] ** -0.5).add_(group.bias)
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    scores = _scores(q, k, q.dtype).add_(_bias(group, q.dtype))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.contiguous())
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scaled QK^T in ``dtype`` for q [B, Hkv, Q, D] and gathered keys viewed [B, Hkv, L, D]."""
+    # The view is [B, L, Hkv, D] underneath: one copy with 256-byte runs here, or matmul makes a
+    # far slower element-strided one of k^T (measured 2.8 vs 11.5 ms per call).
+    return torch.matmul(q, k.contiguous().transpose(-1, -2)).to(dtype).mul_(q.shape[-1] ** -0.5)
+
+
+def _bias(group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
+    """The group's mask as 0 / -inf in ``dtype``, made once and shared by all layers."""
+    if group.bias is None or group.bias.dtype != dtype:
+        group.bias = torch.zeros(group.mask.shape, dtype=dtype).masked_fill_(~group.mask, float("-inf"))
+    return group.bias
+
+
+def _softmax_parts(
+    scores: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalised softmax attention over float32 ``scores``: (row max, sum of exponentials,
+    exp-weighted ``values``), so partial results over disjoint key sets can be merged."""
+    high = scores.amax(-1, keepdim=True)
+    weights = scores.sub_(high).exp_()
+    return high, weights.sum(-1, keepdim=True), torch.matmul(weights.to(dtype), values).float()
 
 
 def _prefix_partial(
     q: torch.Tensor, kv: KVCache, layer: int, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalised attention of decode queries ``q`` [B, Hkv, G, D] over keys every row shares.
+    """Attention parts (``_softmax_parts``) of decode queries ``q`` [B, Hkv, G, D] over the keys
+    every row shares, gathered and read once for the whole group instead of once per row.
 
-    The shared keys are gathered and read once for the whole group instead of once per row.
-    Returns (row max, sum of exponentials, exp-weighted values), float32, shaped [B, Hkv, G, *].
+    Shaped [B, Hkv, G, *] like the rows' own parts.
     """
     b, kv_heads, groups, dim = q.shape
     keys, values = kv.gather(layer, slots)  # [Lp, Hkv, D]
     q_heads = q.permute(1, 0, 2, 3).reshape(kv_heads, b * groups, dim)
     scores = torch.bmm(q_heads, keys.permute(1, 2, 0)).float().mul_(dim**-0.5)  # [Hkv, B*G, Lp]
-    high = scores.amax(-1, keepdim=True)
-    weights = scores.sub_(high).exp_()
-    total = weights.sum(-1, keepdim=True)
-    weighted = torch.bmm(weights.to(q.dtype), values.permute(1, 0, 2)).float()  # [Hkv, B*G, D]
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return t.view(kv_heads, b, groups, t.shape[-1]).permute(1, 0, 2, 3)
-
-    return rows(high), rows(total), rows(weighted)
+    parts = _softmax_parts(scores, values.permute(1, 0, 2), q.dtype)
+    return tuple(t.view(kv_heads, b, groups, t.shape[-1]).permute(1, 0, 2, 3) for t in parts)
 
 
 def _merge_with_prefix(
@@ -149,13 +159,9 @@ def _merge_with_prefix(
 ) -> torch.Tensor:
     """Attention over the rows' own keys, combined with the shared-prefix part by log-sum-exp."""
     high_p, total_p, weighted_p = prefix
-    bias = torch.zeros(group.mask.shape).masked_fill_(~group.mask, float("-inf"))
-    k, v = k.contiguous(), v.contiguous()
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(q.shape[-1] ** -0.5).add_(bias)
-    high_s = scores.amax(-1, keepdim=True)  # finite: each row's own token is among these keys
-    weights = scores.sub_(high_s).exp_()
-    total_s = weights.sum(-1, keepdim=True)
-    weighted_s = torch.matmul(weights.to(q.dtype), v).float()
+    scores = _scores(q, k, torch.float32).add_(_bias(group, torch.float32))
+    # high_s is finite: each row's own token is among these keys
+    high_s, total_s, weighted_s = _softmax_parts(scores, v.contiguous(), q.dtype)
     high = torch.maximum(high_p, high_s)
     scale_p, scale_s = torch.exp(high_p - high), torch.exp(high_s - high)
     out = (weighted_p * scale_p + weighted_s * scale_s) / (total_p * scale_p + total_s * scale_s)

@@ -69,12 +69,14 @@ class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``; gate and up are one weight, used as one matmul when
     ``fused`` (CUDA) or as two contiguous row slices."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device, fused: bool = True
+    ) -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.fused = fused
         self.gate_up = nn.Parameter(cpu_memory.empty((2 * intermediate, hidden), dtype, device), requires_grad=False)
         self.down = nn.Parameter(cpu_memory.empty((hidden, intermediate), dtype, device), requires_grad=False)
-        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
