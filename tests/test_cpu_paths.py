@@ -93,3 +93,63 @@ def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tin
     assert [r.output_token_ids for r in results] == expected
     assert calls, "decodes of requests sharing 80 prompt tokens should take the shared-prefix path"
     assert_pool_free(engine)
+
+
+def _logits(model, tokens: list[int]) -> torch.Tensor:
+    from qil_worker.engine.probe import ForwardProbe
+
+    probe = ForwardProbe(model, num_pages=8, page_size=4)
+    (logits,) = probe.forward([(probe.sequence(tokens), len(tokens))])
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("untied", [False, True])
+def test_packed_weights_give_the_plain_logits_and_release_the_parameters(tiny_dir, tiny_untied_sharded_dir, dtype, untied):
+    from qil_worker import Qwen3
+    from qil_worker.model.linear import packing_supported
+
+    path = tiny_untied_sharded_dir if untied else tiny_dir
+    if not packing_supported(torch.device("cpu"), dtype):
+        pytest.skip("this torch/CPU has no packed oneDNN linear for " + str(dtype))
+    plain = Qwen3.from_directory(path, dtype=dtype, pack_weights=False)
+    packed = Qwen3.from_directory(path, dtype=dtype)
+    tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    want, got = _logits(plain, tokens), _logits(packed, tokens)
+    if dtype == torch.bfloat16:  # same kernels on the same blocked data: bit-identical
+        assert torch.equal(got, want)
+    else:  # only the summation order differs
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for layer in packed.layers:  # the plain copies are gone: no doubled memory
+        assert layer.qkv.numel() == layer.o_proj.numel() == 0
+        assert layer.mlp.gate_up.numel() == layer.mlp.down.numel() == 0
+        assert all(p.packed is not None and p.weight is None for p in [*layer.qkv_proj, layer.out_proj])
+    assert packed.head.packed is not None
+    if untied:
+        assert packed.lm_head.numel() == 0
+    else:  # the tied table still serves embedding lookups
+        assert torch.equal(packed.embed, plain.embed)
+
+
+def test_a_failed_pack_leaves_the_layer_plain(tiny_dir, monkeypatch):
+    from qil_worker import Qwen3
+    from qil_worker.model.linear import Linear
+
+    model = Qwen3.from_directory(tiny_dir, pack_weights=False)
+    tokens = [5, 6, 7, 8]
+    want = _logits(model, tokens)
+    layer = model.layers[0]
+    monkeypatch.setattr(layer.qkv_proj[1], "pack", lambda keep_plain=False: False)
+    if not layer.pack_weights() and layer.qkv.numel():  # attention stays plain; the MLP may pack
+        assert all(p.packed is None and p.weight is not None for p in [*layer.qkv_proj, layer.out_proj])
+    else:
+        pytest.fail("a layer with a failed pack must keep its attention weights")
+    torch.testing.assert_close(_logits(model, tokens), want, rtol=1e-5, atol=1e-5)
+    assert Linear(torch.ones(2, 3, device="meta")).pack() is False  # no oneDNN on meta tensors
+
+
+def test_packing_is_only_offered_on_cpu():
+    from qil_worker.model.linear import packing_supported
+
+    assert not packing_supported(torch.device("meta"), torch.float32)
+    assert not packing_supported(torch.device("cpu"), torch.int8)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qil_worker import cpu_memory
+from qil_worker.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -77,11 +78,30 @@ class GatedMLP(nn.Module):
         self.fused = fused
         self.gate_up = nn.Parameter(cpu_memory.empty((2 * intermediate, hidden), dtype, device), requires_grad=False)
         self.down = nn.Parameter(cpu_memory.empty((hidden, intermediate), dtype, device), requires_grad=False)
+        gate_up = self.gate_up.data
+        self.gate_up_proj = [Linear(gate_up)] if fused else [Linear(gate_up[:intermediate]), Linear(gate_up[intermediate:])]
+        self.down_proj = Linear(self.down.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
+            gate, up = self.gate_up_proj[0](x).split(self.intermediate, dim=-1)
         else:
-            gate = F.linear(x, self.gate_up[: self.intermediate])
-            up = F.linear(x, self.gate_up[self.intermediate :])
-        return F.linear(F.silu(gate, inplace=True).mul_(up), self.down)
+            gate, up = (proj(x) for proj in self.gate_up_proj)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+
+    def pack_weights(self) -> bool:
+        """Pack the projections for oneDNN (see ``linear.py``) and release the plain parameters."""
+        return pack_and_release([*self.gate_up_proj, self.down_proj], [self.gate_up, self.down])
+
+
+def pack_and_release(linears: list[Linear], params: list[nn.Parameter]) -> bool:
+    """Pack every linear; only when all succeed, release the parameters they were views of."""
+    if not all(linear.pack(keep_plain=True) for linear in linears):
+        for linear in linears:
+            linear.packed = None
+        return False
+    for linear in linears:
+        linear.weight = None
+    for param in params:
+        param.data = param.data.new_empty(0)
+    return True
