@@ -1,9 +1,11 @@
-"""Bearer-token auth, --max-queued, TLS, and one client target over two servers (round robin)."""
+"""Bearer-token auth, --max-queued, TLS and mutual TLS, one client target over two servers (round
+robin), and a ``dns:///`` target resolved by gRPC itself."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import grpc
 import pytest
@@ -78,6 +80,65 @@ def test_one_target_over_two_servers_round_robin(servers):
     for s in servers:
         with Client(s.target, token=TOKEN) as c:
             assert c.info().num_requests_total - before[s.port] >= 3  # both got traffic
+
+
+def test_dns_target_is_resolved_by_grpc(servers):
+    a, _ = servers
+    # "localhost" may also resolve to ::1, where nothing listens: round robin uses the live address
+    with Client(f"dns:///localhost:{a.port}", token=TOKEN, timeout=30) as c:
+        assert c.health() == "SERVING"
+        assert c.generate([4, 5], max_new_tokens=2).num_output_tokens == 2
+    with Client("dns:///no-such-host.invalid:50051", token=TOKEN, timeout=5) as c:
+        with pytest.raises(Unavailable):
+            c.info()
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def _authority(name: str, out: Path) -> tuple[Path, Path]:
+    """A self-signed CA: (certificate, key)."""
+    key, cert = out / f"{name}.key", out / f"{name}.pem"
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-keyout", str(key), "-out", str(cert),
+             "-subj", f"/CN={name}")
+    return cert, key
+
+
+def _issue(ca: tuple[Path, Path], name: str, out: Path, san: str | None = None) -> tuple[Path, Path]:
+    """A key and a certificate for ``name`` signed by ``ca``: (key, certificate)."""
+    key, csr, cert = out / f"{name}.key", out / f"{name}.csr", out / f"{name}.pem"
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
+    extra = []
+    if san:
+        (out / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+        extra = ["-extfile", str(out / f"{name}.ext")]
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial",
+             "-days", "1", "-out", str(cert), *extra)
+    return key, cert
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_mutual_tls_needs_a_client_certificate_from_the_trusted_ca(model_dir, tmp_path):
+    ca, other_ca = _authority("qil-test-ca", tmp_path), _authority("other-ca", tmp_path)
+    server_key, server_cert = _issue(ca, "localhost", tmp_path, san="DNS:localhost,IP:127.0.0.1")
+    client_key, client_cert = _issue(ca, "client", tmp_path)
+    stranger_key, stranger_cert = _issue(other_ca, "stranger", tmp_path)
+    srv = start_server(model_dir, engine=SMALL, tls_cert=str(server_cert), tls_key=str(server_key),
+                       tls_client_ca=str(ca[0]))
+    try:
+        trusted = TLS(root_certificates=str(ca[0]), private_key=str(client_key), certificate_chain=str(client_cert))
+        with Client(srv.target, tls=trusted, timeout=30) as c:
+            assert c.generate([1, 2], max_new_tokens=2).finish_reason == "length"
+        for tls in (
+            TLS(root_certificates=str(ca[0])),  # no client certificate
+            TLS(root_certificates=str(ca[0]), private_key=str(stranger_key), certificate_chain=str(stranger_cert)),
+        ):
+            with Client(srv.target, tls=tls, timeout=10) as c:
+                with pytest.raises(Unavailable):
+                    c.info()
+    finally:
+        srv.stop()
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
