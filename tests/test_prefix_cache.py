@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from engine_helpers import assert_pool_free, run_to_completion
+from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
 from qil_worker import Engine, FinishReason, Qwen3
 from qil_worker.kv import PagePool, PrefixCache, page_hashes
 
@@ -58,6 +58,26 @@ def test_outputs_identical_with_and_without_cache(model, sampling):
     stats = cached_engine.stats()
     assert stats.prefix_cache_hit_rate > 0.5 and stats.num_pages_cached > 0
     assert_pool_free(cached_engine)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(model, ref):
+    prompts = _shared_prompts(random.Random(8), 4)  # 9 full pages of prefix, then their own tokens
+    engine = Engine(model, num_pages=96, page_size=4, token_budget=256, prefill_chunk=256, debug=True)
+    ids = [engine.submit(p, max_new_tokens=6) for p in prompts]
+    # one step admits all four: the first fills the prefix pages, the rest read them in that step
+    first_tokens = [e.request_id for e in engine.step() if e.token_id is not None]
+    assert sorted(first_tokens) == sorted(ids)
+    run_to_completion(engine)
+    results = [engine.result(i) for i in ids]
+    assert results[0].num_cached_tokens == 0
+    assert all(r.num_cached_tokens == 36 for r in results[1:])
+    assert engine.stats().prefix_cache_hit_rate > 0.5
+    for p, r in zip(prompts, results):
+        assert r.output_token_ids == reference_greedy(ref, p, 6)
+    assert_pool_free(engine)
+    # a later request still finds the prefix, indexed when that first step committed
+    (later,) = engine.generate([prompts[0][:37] + [1, 2]], 2)
+    assert later.num_cached_tokens == 36
 
 
 def test_fully_cached_prompt_still_computes_its_last_token(model):

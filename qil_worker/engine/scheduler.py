@@ -76,6 +76,8 @@ class Scheduler:
         budget = self.token_budget
         chosen: dict[Request, ScheduledChunk] = {}
         preempted_any = False
+        if self.prefix_cache is not None:
+            self.prefix_cache.begin_step()
         for request in self._running_order():
             if budget == 0:
                 break
@@ -95,6 +97,8 @@ class Scheduler:
                 chosen[request] = ScheduledChunk(request, request.num_computed_tokens, count)
                 budget -= count
         if not preempted_any:
+            for chunk in chosen.values():
+                self._announce(chunk)
             budget = self._admit(chosen, budget)
         return list(chosen.values())
 
@@ -110,18 +114,27 @@ class Scheduler:
     def commit(self, chunks: list[ScheduledChunk]) -> None:
         """After the forward: the chunks' tokens are in the KV cache; index full prompt pages."""
         for chunk in chunks:
-            request = chunk.request
-            request.num_computed_tokens = chunk.end
-            if self.prefix_cache is None or not request.page_hashes:
-                continue
-            size = self.prefix_cache.page_size
-            prompt = request.prompt_token_ids
-            first = min(chunk.start, len(prompt)) // size
-            last = min(chunk.end, len(prompt)) // size
-            for i in range(first, last):
-                self.prefix_cache.insert(
-                    request.page_hashes[i], prompt[i * size : (i + 1) * size], request.page_table.pages[i]
-                )
+            chunk.request.num_computed_tokens = chunk.end
+            if self.prefix_cache is not None:
+                for i, tokens in self._prompt_pages_filled(chunk):
+                    self.prefix_cache.insert(chunk.request.page_hashes[i], tokens, chunk.request.page_table.pages[i])
+
+    def _announce(self, chunk: ScheduledChunk) -> None:
+        """Offer the prompt pages this chunk fills to requests admitted into the same step."""
+        if self.prefix_cache is not None:
+            for i, tokens in self._prompt_pages_filled(chunk):
+                self.prefix_cache.announce(chunk.request.page_hashes[i], tokens, chunk.request.page_table.pages[i])
+
+    def _prompt_pages_filled(self, chunk: ScheduledChunk) -> list[tuple[int, list[int]]]:
+        """(index, tokens) of every full prompt page whose last token this chunk computes."""
+        request = chunk.request
+        if not request.page_hashes:
+            return []
+        size = self.prefix_cache.page_size
+        prompt = request.prompt_token_ids
+        first = min(chunk.start, len(prompt)) // size
+        last = min(chunk.end, len(prompt)) // size
+        return [(i, prompt[i * size : (i + 1) * size]) for i in range(first, last)]
 
     def _admit(self, chosen: dict[Request, ScheduledChunk], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_active:
@@ -142,6 +155,7 @@ class Scheduler:
             self._admissions += 1
             self.running.append(request)
             chosen[request] = ScheduledChunk(request, request.num_computed_tokens, count)
+            self._announce(chosen[request])
             budget -= count
         return budget
 

@@ -5,6 +5,13 @@ one name stands for the whole prefix up to that page. A hit is confirmed by comp
 stored tokens (a hash collision cannot hand out wrong KV). Only full pages of the prompt are
 shared, never the last partial one, so shared pages are never written again. Pages nobody
 holds stay indexed (idle in the pool) until the pool evicts them, least recently used first.
+
+Pages being computed in the step now being scheduled are matched too (``announce``): the model
+writes every token's K/V of a layer before any attention of that layer, so a request admitted
+into the same step can read a page another request of that step fills. Requests that share a
+new system prompt and arrive together then compute it once, not once per request that fits
+into the first step. Announcements last one scheduling pass; pages are indexed for good at
+commit, once their step has run.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class PrefixCache:
         self.page_size = page_size
         self._by_hash: dict[int, int] = {}
         self._page_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # page → (hash, tokens)
+        self._in_flight: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash → (page, tokens)
         pool.on_evict = self._forget
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -47,10 +55,11 @@ class PrefixCache:
         pages: list[int] = []
         for i, h in enumerate(hashes[:max_pages]):
             page = self._by_hash.get(h)
-            if page is None:
-                break
+            stored = self._page_key[page][1] if page is not None else None
+            if page is None and h in self._in_flight:
+                page, stored = self._in_flight[h]
             tokens = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
-            if self._page_key[page][1] != tokens:  # a hash collision: not our prefix
+            if page is None or stored != tokens:  # not cached, or a hash collision
                 break
             pages.append(page)
         for page in pages:
@@ -61,6 +70,16 @@ class PrefixCache:
         """Count one admitted request for the hit rate."""
         self.queried_tokens += prompt_tokens
         self.hit_tokens += hit_tokens
+
+    def begin_step(self) -> None:
+        """Forget the previous scheduling pass's announcements (its step has run or failed)."""
+        self._in_flight.clear()
+
+    def announce(self, page_hash: int, tokens: Sequence[int], page: int) -> None:
+        """``page`` will hold ``tokens`` once the step being scheduled has run: shareable by
+        requests admitted into that same step (see the module docstring)."""
+        if page_hash not in self._by_hash:
+            self._in_flight.setdefault(page_hash, (page, tuple(tokens)))
 
     def insert(self, page_hash: int, tokens: Sequence[int], page: int) -> None:
         """Index a page whose KV now holds ``tokens`` (a full page of some prompt)."""
