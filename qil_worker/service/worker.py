@@ -7,6 +7,12 @@ asyncio loop and gRPC threads that must not be copied). Torch is imported here, 
 Loop: block on the pipe while the engine is idle; otherwise drain every pending message (submits,
 cancels, stats requests) without blocking, run one ``engine.step()``, and send ONE ``BATCH``
 message with everything that step produced. See ``protocol`` for the messages and the transport.
+
+Waking from idle, the worker keeps reading while messages follow each other closely
+(``BURST_GAP_S``, at most ``BURST_WINDOW_S``): clients that submit a burst — a closed loop
+refilling all its slots when a wave of requests ends together — then get one prefill step
+together instead of one request alone first and the rest a whole step later. A busy worker
+never waits: it takes whatever arrived while the step ran.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from qil_worker.service.errors import classify_engine_error
 log = logging.getLogger("qil.worker")
 
 PARENT_CHECK_S = 1.0
+BURST_GAP_S = 0.002  # waking from idle: a message this soon after the last one joins the first step
+BURST_WINDOW_S = 0.01  # ... for at most this long after the wake-up
 
 # TEST-ONLY fault injection, off by default and settable only through the worker's environment
 # (never from the network): "N" or "N:K" makes model forward calls N..N+K-1 (1-based, counted
@@ -256,6 +264,7 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
     finish_codes = P.FINISH_CODES
     stop_code = finish_codes["stop"]
     while True:
+        burst_until = 0.0
         if engine.idle:
             # Block (no spinning) until the front sends something; check now and then that the
             # front still exists (EOF on the pipe is the main signal, this is a backstop).
@@ -263,10 +272,11 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
                 if os.getppid() != parent_pid:
                     log.warning("front process %d is gone; worker exits", parent_pid)
                     return 0
+            burst_until = time.monotonic() + BURST_WINDOW_S
         acks: list = []
         tickets: list = []
         # Drain everything pending before the step, so submits and cancels take effect at once.
-        while conn.poll(0):
+        while conn.poll(min(BURST_GAP_S, max(0.0, burst_until - time.monotonic()))):
             msg = conn.recv()
             tag = msg[0]
             if tag == P.SUBMIT:
