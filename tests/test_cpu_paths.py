@@ -70,6 +70,19 @@ def test_kv_gather_matches_index_select_and_reuses_its_buffers():
     assert torch.equal(k3, kv.k[0]) and torch.equal(v3, kv.v[0])
 
 
+def test_kv_gather_pages_equals_gathering_their_slots():
+    kv = KVCache(2, 8, 4, 2, 8, torch.float32, torch.device("cpu"))
+    kv.k.copy_(torch.randn_like(kv.k))
+    kv.v.copy_(torch.randn_like(kv.v))
+    pages = torch.tensor([[3, 0, 6], [7, 7, 1]])
+    slots = (pages.view(-1, 1) * 4 + torch.arange(4)).view(-1)
+    k, v = kv.gather_pages(1, pages.view(-1))
+    assert k.shape == (24, 2, 8)
+    assert torch.equal(k, kv.k[1].index_select(0, slots)) and torch.equal(v, kv.v[1].index_select(0, slots))
+    k2, _ = kv.gather(0, slots[:5])  # the slot gather shares the buffers
+    assert k2.data_ptr() == k.data_ptr() and torch.equal(k2, kv.k[0].index_select(0, slots[:5]))
+
+
 def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tiny_dir, ref, monkeypatch):
     """With the prefix cache, decode rows share prompt pages; attention reads those keys once
     for the group (merged by log-sum-exp) and the tokens stay exactly transformers' greedy ones."""

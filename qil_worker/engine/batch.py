@@ -147,7 +147,10 @@ def _group(
     batch = len(members)
     q_max = max(c.num_tokens for c in members)
     l_max = max(c.end for c in members)
-    shared = _shared_prefix_pages(members, page_size) if device.type == "cpu" and q_max == 1 else 0
+    on_cpu = device.type == "cpu"
+    if on_cpu:  # keys in whole pages, gathered page by page (``KVCache.gather_pages``)
+        l_max = -(-l_max // page_size) * page_size
+    shared = _shared_prefix_pages(members, page_size) if on_cpu and q_max == 1 else 0
     prefix_tokens = shared * page_size
     key_positions = torch.arange(prefix_tokens, l_max, device=device)
     key_slots = tables[:, key_positions // page_size] * page_size + key_positions % page_size
@@ -174,6 +177,7 @@ def _group(
             if shared
             else None
         ),
+        key_pages=tables[:, shared : l_max // page_size] if on_cpu else None,
     )
 
 

@@ -62,15 +62,29 @@ class KVCache:
         k, v = self.k[layer], self.v[layer]
         if not self._reuse_gather:
             return k.index_select(0, slots), v.index_select(0, slots)
-        n = slots.numel()
+        out_k, out_v = self._buffers(slots.numel())
+        return torch.index_select(k, 0, slots, out=out_k), torch.index_select(v, 0, slots, out=out_v)
+
+    def gather_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole ``pages`` [P] in order, as ``gather`` of their slots would give them
+        ([P * page_size, Hkv, D]): one index per page instead of per token (measured on CPU,
+        16 rows x 768 tokens, 28 layers: 28.7 vs 34.6 ms)."""
+        k, v = (t[layer].view(t.shape[1] // self.page_size, -1) for t in (self.k, self.v))
+        shape = (pages.numel() * self.page_size, *self.k.shape[2:])
+        if not self._reuse_gather:
+            return k.index_select(0, pages).view(shape), v.index_select(0, pages).view(shape)
+        out_k, out_v = (t.view(pages.numel(), -1) for t in self._buffers(shape[0]))
+        return (
+            torch.index_select(k, 0, pages, out=out_k).view(shape),
+            torch.index_select(v, 0, pages, out=out_v).view(shape),
+        )
+
+    def _buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reused CPU gather buffers, at least ``n`` rows, cut to exactly ``n``."""
         if self._gathered is None or self._gathered[0].shape[0] < n:
             rows = n if self._gathered is None else n * 5 // 4  # grown: leave room to grow more
-            self._gathered = tuple(cpu_memory.empty((rows, *k.shape[1:]), k.dtype) for _ in range(2))
-        out_k, out_v = self._gathered
-        return (
-            torch.index_select(k, 0, slots, out=out_k[:n]),
-            torch.index_select(v, 0, slots, out=out_v[:n]),
-        )
+            self._gathered = tuple(cpu_memory.empty((rows, *self.k.shape[2:]), self.k.dtype) for _ in range(2))
+        return self._gathered[0][:n], self._gathered[1][:n]
 
     def check_readable(self, key_slots: torch.Tensor, key_lengths: torch.Tensor) -> None:
         """Debug check: the first ``key_lengths[b]`` slots of row ``b`` have all been written."""

@@ -42,6 +42,8 @@ class AttentionGroup:
     # CPU decodes sharing leading pages: those keys' slots, attended once for all rows; then
     # key_slots / mask / key_lengths cover only the keys after them
     prefix_slots: torch.Tensor | None = None
+    # CPU: the same keys as whole pages [batch, l_max / page_size] (l_max is page-aligned there)
+    key_pages: torch.Tensor | None = None
 
 
 @dataclass
@@ -79,7 +81,10 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
         )
         prefix = _prefix_partial(q_pad, kv, layer, g.prefix_slots) if g.prefix_slots is not None else None
         l_max = g.key_slots.shape[1]
-        keys, values = kv.gather(layer, g.key_slots.view(-1))
+        if g.key_pages is not None:
+            keys, values = kv.gather_pages(layer, g.key_pages.reshape(-1))
+        else:
+            keys, values = kv.gather(layer, g.key_slots.view(-1))
         keys = keys.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
         values = values.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
         if prefix is not None:
