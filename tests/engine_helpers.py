@@ -7,10 +7,11 @@ import torch
 
 def reference_greedy(ref, prompt: list[int], max_new_tokens: int, stop_ids=()) -> list[int]:
     """transformers' greedy continuation, cut after the first stop id like the engine does."""
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         out = ref.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=0,
+            ids, attention_mask=torch.ones_like(ids),  # else a prompt token equal to pad_token_id is masked
+            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
         )[0, len(prompt):].tolist()
     for i, t in enumerate(out):
         if t in stop_ids:

@@ -80,6 +80,26 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(model, ref):
     assert later.num_cached_tokens == 36
 
 
+def test_a_failed_step_leaves_no_shared_prefix_behind(model, ref, monkeypatch):
+    """Requests that shared pages in a step whose forward failed all fail, free every page, and
+    index nothing: the next burst computes the prefix again and gets the right tokens."""
+    prompts = _shared_prompts(random.Random(9), 3)
+    engine = Engine(model, num_pages=96, page_size=4, token_budget=256, prefill_chunk=256, debug=True)
+    ids = [engine.submit(p, max_new_tokens=4) for p in prompts]
+    real_forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+    failed = [e for e in engine.step() if e.finished]
+    monkeypatch.setattr(type(model), "forward", real_forward)
+    assert sorted(e.request_id for e in failed) == sorted(ids) and all(e.error for e in failed)
+    assert_pool_free(engine)
+    assert engine.stats().num_pages_cached == 0
+    results = engine.generate(prompts, 4)
+    assert results[0].num_cached_tokens == 0 and all(r.num_cached_tokens == 36 for r in results[1:])
+    for p, r in zip(prompts, results):
+        assert r.output_token_ids == reference_greedy(ref, p, 4)
+    assert_pool_free(engine)
+
+
 def test_fully_cached_prompt_still_computes_its_last_token(model):
     prompt = list(range(16))
     engine = Engine(model, num_pages=32, page_size=4, debug=True)
