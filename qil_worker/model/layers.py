@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qil_worker import cpu_memory
-from qil_worker.model.linear import Linear
+from qil_worker.model.linear import Linear, pack_and_release
 
 
 class RMSNorm(nn.Module):
@@ -93,15 +93,3 @@ class GatedMLP(nn.Module):
         """Pack the projections for oneDNN (see ``linear.py``) and release the plain parameters."""
         return pack_and_release([*self.gate_up_proj, self.down_proj], [self.gate_up, self.down])
 
-
-def pack_and_release(linears: list[Linear], params: list[nn.Parameter]) -> bool:
-    """Pack every linear; only when all succeed, release the parameters they were views of."""
-    if not all(linear.pack(keep_plain=True) for linear in linears):
-        for linear in linears:
-            linear.packed = None
-        return False
-    for linear in linears:
-        linear.weight = None
-    for param in params:
-        param.data = param.data.new_empty(0)
-    return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -43,7 +44,6 @@ class Linear:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
-        self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -71,3 +71,16 @@ class Linear:
         if not keep_plain:
             self.weight = None
         return True
+
+
+def pack_and_release(linears: list[Linear], params: list[nn.Parameter]) -> bool:
+    """Pack every linear; only when all succeed, release the parameters they were views of."""
+    if not all(linear.pack(keep_plain=True) for linear in linears):
+        for linear in linears:
+            linear.packed = None
+        return False
+    for linear in linears:
+        linear.weight = None
+    for param in params:
+        param.data = param.data.new_empty(0)
+    return True

@@ -20,8 +20,8 @@ from qil_worker.config import Qwen3Config
 from qil_worker.kv.cache import KVCache
 from qil_worker.model.attention import AttentionMetadata, paged_attention
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
-from qil_worker.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, pack_and_release
-from qil_worker.model.linear import Linear, packing_supported
+from qil_worker.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from qil_worker.model.linear import Linear, pack_and_release, packing_supported
 
 log = logging.getLogger(__name__)
 
