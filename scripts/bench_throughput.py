@@ -17,6 +17,10 @@ run with and without its prefix cache and the TTFT ratio is printed.
 
 Timing: TTFT = first token on the host − submission (for static batches, submission is the
 start of the run); ITL = gaps between a request's consecutive tokens.
+
+``--request-rate R`` (qil systems): requests arrive as a seeded Poisson process of R/s instead of
+all at once, and TTFT counts from each request's own arrival, so it shows what the prefix cache
+saves a request rather than how long it queued behind the others.
 """
 
 from __future__ import annotations
@@ -66,6 +70,19 @@ def summarize(name: str, wall: float, reqs, ttft: list[float], gaps: list[float]
     }
 
 
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request arrives: all at 0 for an infinite rate,
+    else a Poisson process of ``rate`` requests/s (seeded)."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = random.Random(seed + 1)
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
 def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cuda_graphs: bool | None = None) -> dict:
     from qil_worker import Engine
 
@@ -73,11 +90,22 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
                     token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
                     max_active=args.max_active, prefix_cache=prefix_cache, cuda_graphs=cuda_graphs)
     sampling = dict(temperature=args.temperature, seed=args.seed) if args.temperature else {}
+    arrivals = arrival_times(len(reqs), args.request_rate, args.seed)
     t0 = time.perf_counter()
-    ids = [engine.submit(p, max_new_tokens=n, ignore_eos=True, **sampling) for p, n in reqs]
-    times: dict[str, list[float]] = {i: [] for i in ids}
+    ids: list[str] = []
+    submitted_at: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
     peak = 0
-    while not engine.idle:
+    while len(ids) < len(reqs) or not engine.idle:
+        now = time.perf_counter()
+        while len(ids) < len(reqs) and t0 + arrivals[len(ids)] <= now:
+            prompt, n = reqs[len(ids)]
+            rid = engine.submit(prompt, max_new_tokens=n, ignore_eos=True, **sampling)
+            ids.append(rid)
+            submitted_at[rid], times[rid] = t0 + arrivals[len(ids) - 1], []
+        if engine.idle:  # nothing to compute until the next arrival
+            time.sleep(max(0.0, t0 + arrivals[len(ids)] - time.perf_counter()))
+            continue
         events = engine.step()
         now = time.perf_counter()
         peak = max(peak, engine.stats().num_pages_used)
@@ -87,7 +115,7 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
             if e.token_id is not None:
                 times[e.request_id].append(now)
     wall = time.perf_counter() - t0
-    ttft = [times[i][0] - t0 for i in ids]
+    ttft = [times[i][0] - submitted_at[i] for i in ids]
     gaps = [b - a for i in ids for a, b in zip(times[i], times[i][1:])]
     hit = engine.stats().prefix_cache_hit_rate
     graphs = engine.decode_graphs
@@ -198,6 +226,9 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling (qil)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix-heavy", action="store_true", help="all prompts share a 512-token prefix")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson arrivals (seeded); default inf = all at once. qil systems only: "
+                        "TTFT then counts from each request's own arrival")
     p.add_argument("--systems", nargs="+", default=["qil", "hf-static", "hf-continuous"],
                    help="any of qil, qil-eager (CUDA: no decode graphs), hf-static, hf-continuous")
     p.add_argument("--hf-batch", type=int, default=8)
@@ -212,6 +243,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     cuda = args.device.startswith("cuda")
+    if args.request_rate != float("inf") and {"hf-static", "hf-continuous"} & set(args.systems):
+        p.error("--request-rate applies to the qil systems only (use --systems qil)")
     torch.set_num_threads(args.threads)
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     args.requests = args.requests or (4 if args.quick else 256 if cuda else 16)
@@ -228,6 +261,7 @@ def main(argv=None) -> int:
         args.num_pages = sum(-(-(len(p) + n) // args.page_size) for p, n in reqs) + 8
     print(f"workload: {len(reqs)} requests, prompts {args.prompt_range} (+{prefix} shared), outputs "
           f"{args.output_range}, {sum(len(p) for p, _ in reqs)} prompt / {sum(n for _, n in reqs)} output tokens, "
+          f"arrivals {'all at once' if args.request_rate == float('inf') else f'{args.request_rate:g}/s'}, "
           f"longest {longest}; device {args.device}, {args.threads} threads")
 
     from qil_worker import Qwen3
