@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Time of one decode step, replayed from CUDA graphs against eager, at several batch sizes.
+"""Time of one decode step at several batch sizes, the fast path against its reference.
 
+CUDA: steps replayed from CUDA graphs against eager. CPU: weights packed for oneDNN (as
+``Qwen3.from_directory`` loads them) against the plain parameters (``pack_weights=False``).
 For each batch size B: B requests with --prompt-len tokens are prefilled, then --steps decode
 steps are timed (wall time of ``Engine.step()``, which ends with the host reading the sampled
-tokens). Prints ms/step and tokens/s for graphs and eager, and the speed-up. CUDA only for the
-graph column; on CPU it shows the eager figure alone.
+tokens). Prints ms/step and tokens/s for both, and the speed-up.
 
     python scripts/bench_decode_step.py --device cuda --batch 1 8 64 256
+    python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16
 """
 
 from __future__ import annotations
@@ -65,15 +67,23 @@ def main(argv=None) -> int:
 
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     default = Path.home() / ".cache" / "qil" / ("bench-quick" if args.quick else "bench-qwen3-0.6b-shape")
-    model = Qwen3.from_directory(ensure_model(args.model_dir or default, shape), device=args.device, dtype=args.dtype)
-    cuda = model.device.type == "cuda"
+    model_dir = ensure_model(args.model_dir or default, shape)
+    model = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype)
+    if model.device.type == "cuda":
+        names = ("eager", "graph")
+        reference, fast = (model, False), (model, True)
+    else:
+        names = ("plain", "packed")
+        plain = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype, pack_weights=False)
+        reference, fast = (plain, False), (model, False)
     print(f"decode step, {model.dtype} on {model.device}, prompt {args.prompt_len}, page size {args.page_size}")
-    print(f"{'batch':>6}{'eager ms':>10}{'graph ms':>10}{'eager tok/s':>13}{'graph tok/s':>13}{'speed-up':>10}")
+    print(f"{'batch':>6}{names[0] + ' ms':>10}{names[1] + ' ms':>10}{names[0] + ' tok/s':>13}"
+          f"{names[1] + ' tok/s':>13}{'speed-up':>10}")
     for batch in args.batch:
-        eager = time_steps(model, batch, args.prompt_len, args.steps, False, args.page_size)
-        graph = time_steps(model, batch, args.prompt_len, args.steps, True, args.page_size) if cuda else float("nan")
-        print(f"{batch:>6}{1000 * eager:>10.2f}{1000 * graph:>10.2f}{batch / eager:>13.0f}{batch / graph:>13.0f}"
-              f"{eager / graph:>9.2f}x", flush=True)
+        slow = time_steps(reference[0], batch, args.prompt_len, args.steps, reference[1], args.page_size)
+        quick = time_steps(fast[0], batch, args.prompt_len, args.steps, fast[1], args.page_size)
+        print(f"{batch:>6}{1000 * slow:>10.2f}{1000 * quick:>10.2f}{batch / slow:>13.0f}{batch / quick:>13.0f}"
+              f"{slow / quick:>9.2f}x", flush=True)
     return 0
 
 
