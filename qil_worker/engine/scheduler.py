@@ -116,17 +116,17 @@ class Scheduler:
         for chunk in chunks:
             chunk.request.num_computed_tokens = chunk.end
             if self.prefix_cache is not None:
-                for i, tokens in self._prompt_pages_filled(chunk):
-                    self.prefix_cache.insert(chunk.request.page_hashes[i], tokens, chunk.request.page_table.pages[i])
+                for page in self._prompt_pages_filled(chunk):
+                    self.prefix_cache.insert(*page)
 
     def _announce(self, chunk: ScheduledChunk) -> None:
         """Offer the prompt pages this chunk fills to requests admitted into the same step."""
         if self.prefix_cache is not None:
-            for i, tokens in self._prompt_pages_filled(chunk):
-                self.prefix_cache.announce(chunk.request.page_hashes[i], tokens, chunk.request.page_table.pages[i])
+            for page in self._prompt_pages_filled(chunk):
+                self.prefix_cache.announce(*page)
 
-    def _prompt_pages_filled(self, chunk: ScheduledChunk) -> list[tuple[int, list[int]]]:
-        """(index, tokens) of every full prompt page whose last token this chunk computes."""
+    def _prompt_pages_filled(self, chunk: ScheduledChunk) -> list[tuple[int, list[int], int]]:
+        """(hash, tokens, page) of every full prompt page whose last token this chunk computes."""
         request = chunk.request
         if not request.page_hashes:
             return []
@@ -134,7 +134,10 @@ class Scheduler:
         prompt = request.prompt_token_ids
         first = min(chunk.start, len(prompt)) // size
         last = min(chunk.end, len(prompt)) // size
-        return [(i, prompt[i * size : (i + 1) * size]) for i in range(first, last)]
+        return [
+            (request.page_hashes[i], prompt[i * size : (i + 1) * size], request.page_table.pages[i])
+            for i in range(first, last)
+        ]
 
     def _admit(self, chosen: dict[Request, ScheduledChunk], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_active:

@@ -92,4 +92,3 @@ class GatedMLP(nn.Module):
     def pack_weights(self) -> bool:
         """Pack the projections for oneDNN (see ``linear.py``) and release the plain parameters."""
         return pack_and_release([*self.gate_up_proj, self.down_proj], [self.gate_up, self.down])
-
