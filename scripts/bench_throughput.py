@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import DTYPES, FULL_SHAPE, QUICK_SHAPE, ensure_model, load_hf  # noqa: E402
+from qil_worker.schedule_policy import SCHEDULE_POLICIES  # noqa: E402
 
 
 def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
@@ -88,7 +89,8 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
 
     engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
                     token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
-                    max_active=args.max_active, prefix_cache=prefix_cache, cuda_graphs=cuda_graphs)
+                    max_active=args.max_active, prefix_cache=prefix_cache, cuda_graphs=cuda_graphs,
+                    schedule_policy=args.schedule_policy)
     sampling = dict(temperature=args.temperature, seed=args.seed) if args.temperature else {}
     arrivals = arrival_times(len(reqs), args.request_rate, args.seed)
     t0 = time.perf_counter()
@@ -237,6 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--max-active", type=int, default=256)
+    p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
+                   help="qil's admission order (both qil runs of --prefix-heavy use it)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="tiny model and lengths (smoke test)")
     p.add_argument("--json", type=Path, default=None)

@@ -117,10 +117,12 @@ def _check_pool(engine):
     assert all(not r.page_table.pages for r in engine.scheduler.waiting)
 
 
-def test_random_sharing_preemption_cancel_and_eviction(model):
+@pytest.mark.parametrize("policy", ["fcfs", "shortest-first"])
+def test_random_sharing_preemption_cancel_and_eviction(model, policy):
     rng = random.Random(99)
     prefixes = [[rng.randrange(97) for _ in range(rng.randint(4, 30))] for _ in range(4)]
-    engine = Engine(model, num_pages=24, page_size=4, token_budget=20, prefill_chunk=7, max_active=6, debug=True)
+    engine = Engine(model, num_pages=24, page_size=4, token_budget=20, prefill_chunk=7, max_active=6, debug=True,
+                    schedule_policy=policy)
     reference = Engine(model, num_pages=64, page_size=4, prefix_cache=False)
     expected, submitted, live = {}, {}, set()
     for step in range(500):

@@ -114,6 +114,7 @@ def test_serve_kv_budget_no_prefix_cache_and_tokenizer_dir(tmp_path, text_dir):
     proc, target, err_lines = _start(
         env, "--model", str(model), "--tokenizer", str(text_dir), "--no-prefix-cache",
         "--kv-memory-bytes", "64KiB", "--page-size", "8", "--grace-seconds", "1",
+        "--schedule-policy", "shortest-first",
     )
     try:
         with Client(target, timeout=60) as c:
@@ -135,7 +136,7 @@ def test_serve_kv_budget_no_prefix_cache_and_tokenizer_dir(tmp_path, text_dir):
         assert proc.wait(30) == 0
         log = "".join(err_lines)
         assert "KV pool: 16 pages x 8 tokens = 128 tokens, 64.0 KiB (budget of 64.0 KiB)" in log
-        assert f"tokenizer: {text_dir}" in log and "prefix cache: off" in log
+        assert f"tokenizer: {text_dir}" in log and "prefix cache: off; schedule: shortest-first" in log
     finally:
         if proc.poll() is None:
             proc.kill()

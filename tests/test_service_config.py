@@ -23,7 +23,8 @@ def test_flags_reach_the_engine_and_the_front():
     assert cfg.port == 0 and cfg.grace_seconds == 2.5
     assert cfg.front.model == "/m" and cfg.front.max_queued == 4
     assert cfg.front.engine == dict(
-        num_pages=7, page_size=8, token_budget=9, prefill_chunk=10, max_active=3, prefix_cache=True
+        num_pages=7, page_size=8, token_budget=9, prefill_chunk=10, max_active=3, prefix_cache=True,
+        schedule_policy="fcfs",
     )
     assert cfg.auth_token is None or cfg.auth_token  # from the environment, if any
     assert cfg.front.kv_memory_bytes is None and cfg.front.kv_memory_fraction is None
@@ -35,6 +36,14 @@ def test_defaults_leave_pool_sizing_and_tokenizer_to_the_worker():
     assert cfg.front.engine["num_pages"] is None  # the worker uses 512
     assert cfg.front.engine["prefix_cache"] is True
     assert cfg.front.tokenizer is None and cfg.front.use_tokenizer
+
+
+def test_schedule_policy_flag():
+    assert config_from_args(_parse(["--schedule-policy", "shortest-first"])).front.engine[
+        "schedule_policy"
+    ] == "shortest-first"
+    with pytest.raises(SystemExit):
+        _parse(["--schedule-policy", "random"])
 
 
 def test_prefix_cache_and_tokenizer_flags():

@@ -51,6 +51,7 @@ class EngineStats:
     num_waiting: int
     num_pages_cached: int = 0  # idle pages kept for their prefix (counted as free)
     prefix_cache_hit_rate: float = 0.0  # cached / all prompt tokens of admitted requests
+    schedule_policy: str = "fcfs"  # admission order of waiting requests
 
 
 class Engine:
@@ -71,10 +72,12 @@ class Engine:
         tokenizer: Any = None,
         prefix_cache: bool = True,
         cuda_graphs: bool | None = None,
+        schedule_policy: str = "fcfs",
     ) -> None:
         """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
         off with ``debug``). Given ``True`` on another device, the same padded decode path runs
-        without capture (for tests)."""
+        without capture (for tests). ``schedule_policy``: the order waiting requests are admitted
+        in, ``"fcfs"`` or ``"shortest-first"`` (see ``engine.scheduler``)."""
         for name, value in (
             ("num_pages", num_pages),
             ("page_size", page_size),
@@ -101,7 +104,8 @@ class Engine:
         self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
         self.prefix_cache = PrefixCache(self.pool, page_size) if prefix_cache else None
         self.scheduler = Scheduler(
-            self.pool, token_budget, prefill_chunk, max_active, prefix_cache=self.prefix_cache
+            self.pool, token_budget, prefill_chunk, max_active, prefix_cache=self.prefix_cache,
+            policy=schedule_policy,
         )
         self.sampler = Sampler()
         why_not = probe_varlen(
@@ -335,6 +339,7 @@ class Engine:
             num_waiting=len(s.waiting),
             num_pages_cached=self.pool.num_idle_cached,
             prefix_cache_hit_rate=self.prefix_cache.hit_rate if self.prefix_cache is not None else 0.0,
+            schedule_policy=s.policy,
         )
 
     def generate(

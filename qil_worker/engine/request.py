@@ -39,6 +39,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     status: RequestStatus = RequestStatus.WAITING
     admitted_seq: int = -1  # admission order: the most recent one is preempted first
+    times_bypassed: int = 0  # waiting: how often a later request was admitted first (shortest-first)
     text: TextOutput | None = None  # streamed text, when the engine has a tokenizer
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

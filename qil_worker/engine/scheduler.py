@@ -1,21 +1,25 @@
 """Who computes what in the next step, under one token budget and a finite page pool.
 
 Running requests go first (decodes before prefill chunks, rotating the start so no request
-starves when the budget is short), then waiting requests are admitted FIFO on the pages their
-first chunk needs now — no reservation for their whole future. When a running request cannot
-get a page, the most recently admitted running request is preempted: its pages are freed and it
-goes back to the head of the queue to recompute its prompt and generated tokens later. The
-oldest request can always take the whole pool, so something always progresses.
+starves when the budget is short), then waiting requests are admitted on the pages their first
+chunk needs now — no reservation for their whole future — in the order of the admission policy
+(``qil_worker.schedule_policy``: arrival order, or fewest tokens left after the cached prefix).
+When a running request cannot get a page, the most recently admitted running request is
+preempted: its pages are freed and it goes back to the head of the queue to recompute its
+prompt and generated tokens later. The oldest request can always take the whole pool, so
+something always progresses.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
 from qil_worker.engine.request import Request, RequestStatus
 from qil_worker.kv.page_pool import PagePool
 from qil_worker.kv.prefix_cache import PrefixCache
+from qil_worker.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES, SHORTEST_FIRST_WINDOW
 
 
 @dataclass
@@ -44,7 +48,12 @@ class Scheduler:
         prefill_chunk: int,
         max_active: int,
         prefix_cache: PrefixCache | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in SCHEDULE_POLICIES:
+            choices = ", ".join(SCHEDULE_POLICIES)
+            raise ValueError(f"schedule policy must be one of {choices}, got {policy!r}")
+        self.policy = policy
         self.pool = pool
         self.token_budget = token_budget
         self.prefill_chunk = prefill_chunk
@@ -140,8 +149,9 @@ class Scheduler:
         ]
 
     def _admit(self, chosen: dict[Request, ScheduledChunk], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_active:
-            request = self.waiting[0]
+        for request in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.max_active:
+                break
             cached = self._reuse_cached_prefix(request)
             count = min(request.num_tokens - request.num_computed_tokens, self.prefill_chunk, budget)
             if not request.page_table.grow(request.num_computed_tokens + count, self.pool):
@@ -152,7 +162,7 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.record(len(request.prompt_token_ids), cached)
             request.num_cached_tokens = cached
-            self.waiting.popleft()
+            self._take_from_queue(request)
             request.status = RequestStatus.RUNNING
             request.admitted_seq = self._admissions
             self._admissions += 1
@@ -162,18 +172,58 @@ class Scheduler:
             budget -= count
         return budget
 
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests to try this step, best first (see the module docstring)."""
+        slots = self.max_active - len(self.running)
+        if self.policy == "fcfs" or len(self.waiting) < 2:
+            return list(itertools.islice(self.waiting, slots))
+        window = list(itertools.islice(self.waiting, SHORTEST_FIRST_WINDOW))
+
+        def rank(item: tuple[int, Request]) -> tuple[int, ...]:
+            position, request = item
+            # preempted requests (admitted before) and overtaken-too-often ones: queue order, first
+            if request.admitted_seq >= 0 or request.times_bypassed >= MAX_BYPASS:
+                return (0, position)
+            return (1, self._work_left(request), position)
+
+        return [request for _, request in sorted(enumerate(window), key=rank)][:slots]
+
+    def _work_left(self, request: Request) -> int:
+        """Tokens a waiting request would compute after the prefix the cache holds now."""
+        if self.prefix_cache is None or not request.page_hashes:
+            return request.num_tokens
+        cached = self.prefix_cache.cached_tokens(
+            request.prompt_token_ids, request.page_hashes, self._shareable_pages(request)
+        )
+        return request.num_tokens - cached
+
+    def _take_from_queue(self, request: Request) -> None:
+        """Remove an admitted request from the queue; under shortest-first, count it against
+        every request it overtook."""
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+            return
+        for overtaken in self.waiting:
+            if overtaken is request:
+                break
+            overtaken.times_bypassed += 1
+        self.waiting.remove(request)
+
     def _reuse_cached_prefix(self, request: Request) -> int:
         """Start a queued request after its longest cached prefix; the cached token count."""
         if self.prefix_cache is None or request.num_computed_tokens or not request.page_hashes:
             return 0
-        size = self.prefix_cache.page_size
-        # the last known token is always computed, so that it yields logits to sample from
         pages = self.prefix_cache.match(
-            request.prompt_token_ids, request.page_hashes, (request.num_tokens - 1) // size
+            request.prompt_token_ids, request.page_hashes, self._shareable_pages(request)
         )
         request.page_table.pages = pages
-        request.num_computed_tokens = len(pages) * size
+        request.num_computed_tokens = len(pages) * self.prefix_cache.page_size
         return request.num_computed_tokens
+
+    def _shareable_pages(self, request: Request) -> int:
+        """Leading pages a request may take from the cache: the last known token is always
+        computed, so that it yields logits to sample from."""
+        return (request.num_tokens - 1) // self.prefix_cache.page_size
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -52,6 +52,16 @@ class PrefixCache:
 
     def match(self, token_ids: Sequence[int], hashes: Sequence[int], max_pages: int) -> list[int]:
         """Hold and return the cached pages of the longest cached prefix (at most ``max_pages``)."""
+        pages = self._lookup(token_ids, hashes, max_pages)
+        for page in pages:
+            self.pool.retain(page)
+        return pages
+
+    def cached_tokens(self, token_ids: Sequence[int], hashes: Sequence[int], max_pages: int) -> int:
+        """How many leading tokens ``match`` would serve now, without holding anything."""
+        return len(self._lookup(token_ids, hashes, max_pages)) * self.page_size
+
+    def _lookup(self, token_ids: Sequence[int], hashes: Sequence[int], max_pages: int) -> list[int]:
         pages: list[int] = []
         for i, h in enumerate(hashes[:max_pages]):
             page = self._by_hash.get(h)
@@ -62,8 +72,6 @@ class PrefixCache:
             if page is None or stored != tokens:  # not cached, or a hash collision
                 break
             pages.append(page)
-        for page in pages:
-            self.pool.retain(page)
         return pages
 
     def record(self, prompt_tokens: int, hit_tokens: int) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import os
 import sys
 
+from qil_worker.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
 from qil_worker.service import limits, logs
 from qil_worker.service.front import FrontConfig
 from qil_worker.service.server import ServeConfig, serve
@@ -47,6 +48,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--max-active", type=int, default=64)
+    p.add_argument(
+        "--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
+        help="order in which waiting requests are admitted: fcfs (arrival order), or "
+        "shortest-first (fewest tokens left to compute after the cached prefix; lower mean TTFT "
+        "under bursts, a request is overtaken at most %d times)" % MAX_BYPASS,
+    )
     p.add_argument(
         "--no-prefix-cache", action="store_true",
         help="do not reuse the KV of shared prompt prefixes (on by default)",
@@ -173,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                 prefill_chunk=args.prefill_chunk,
                 max_active=args.max_active,
                 prefix_cache=not args.no_prefix_cache,
+                schedule_policy=args.schedule_policy,
                 **({"cuda_graphs": False} if args.no_cuda_graphs else {}),
             ),
             kv_memory_bytes=args.kv_memory_bytes,

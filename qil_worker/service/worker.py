@@ -125,6 +125,7 @@ def _load(config: dict[str, Any]):
         "has_chat_template": bool(getattr(tokenizer, "chat_template", None)),
         "tokenizer": tokenizer_dir,
         "prefix_cache": engine.prefix_cache is not None,
+        "schedule_policy": stats.schedule_policy,
         "cuda_graphs": engine.decode_graphs is not None,
         "attention": engine.attention_backend,
         "kv_pool": pool.summary(),
@@ -140,10 +141,10 @@ def _load(config: dict[str, Any]):
     info["memory"] = memory
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
-        "tokenizer: %s; prefix cache: %s; attention: %s; decode CUDA graphs: %s",
+        "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s",
         info["name"], time.perf_counter() - t0, info["dtype"], info["device"], pool.num_pages,
         pool.summary(), memory, tokenizer_dir or "none", "on" if info["prefix_cache"] else "off",
-        info["attention"], "on" if info["cuda_graphs"] else "off",
+        info["schedule_policy"], info["attention"], "on" if info["cuda_graphs"] else "off",
     )
     return engine, info
 
