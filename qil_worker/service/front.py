@@ -269,6 +269,11 @@ class Front:
     def worker_pid(self) -> int:
         return self._worker.proc.pid if self._worker is not None else 0
 
+    @property
+    def draining(self) -> bool:
+        """Shutting down: no new requests; the worker will not be restarted."""
+        return self._draining
+
     def _set_state(self, state: WorkerState) -> None:
         if state != self.state:
             self.state = state

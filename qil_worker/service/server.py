@@ -477,7 +477,7 @@ class Server:
         log.info("qil listening on %s:%d (loading the model)", cfg.host, self.port)
 
         def on_state(state: WorkerState) -> None:
-            asyncio.ensure_future(self.health.set_serving(state == WorkerState.READY and not self.front._draining))
+            asyncio.ensure_future(self.health.set_serving(state == WorkerState.READY and not self.front.draining))
 
         self.front.on_state_change = on_state
         try:
