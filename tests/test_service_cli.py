@@ -120,7 +120,7 @@ def test_serve_kv_budget_no_prefix_cache_and_tokenizer_dir(tmp_path, text_dir):
         with Client(target, timeout=60) as c:
             info = c.info()
             assert info.pages.total == 16 and info.pages.page_bytes == 4096
-            assert info.limits.page_size == 8
+            assert info.limits.page_size == 8 and info.limits.schedule_policy == "shortest-first"
             assert info.model.has_tokenizer and not info.prefix_cache.enabled
             prompt = [(5 * i + 1) % 250 for i in range(40)]
             runs = [c.generate(prompt, max_new_tokens=3) for _ in range(2)]

@@ -394,6 +394,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 max_active=info.get("max_active", eng.get("max_active", 0)),
                 max_queued=front.config.max_queued,
                 max_request_id_length=limits.MAX_REQUEST_ID_LENGTH,
+                schedule_policy=info.get("schedule_policy", eng.get("schedule_policy", "")),
             ),
             pages=pb.PagePool(
                 total=total, used=used, free=free, cached=cached, page_bytes=info.get("page_bytes", 0)
