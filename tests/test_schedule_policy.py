@@ -60,9 +60,7 @@ def test_shortest_first_counts_only_work_the_cache_leaves():
     cached_pages = scheduler.pool.num_idle_cached
     scheduler.add(_request("fresh", list(range(100, 125))))  # 25 tokens, none cached
     scheduler.add(_request("shared", system + list(range(9))))  # 49 tokens, 40 of them cached
-    assert scheduler.prefix_cache.cached_tokens(
-        scheduler.waiting[1].prompt_token_ids, scheduler.waiting[1].page_hashes, 12
-    ) == 40
+    assert scheduler.prefix_cache.cached_tokens(scheduler.waiting[1].page_hashes, 12) == 40
     assert scheduler.pool.num_idle_cached == cached_pages, "ranking must not hold pages"
     assert _admitted(scheduler) == ["shared", "fresh"]
 

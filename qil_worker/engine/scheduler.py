@@ -175,7 +175,7 @@ class Scheduler:
     def _admission_order(self) -> list[Request]:
         """The waiting requests to try this step, best first (see the module docstring)."""
         slots = self.max_active - len(self.running)
-        if self.policy == "fcfs" or len(self.waiting) < 2:
+        if self.policy == "fcfs" or len(self.waiting) < 2 or slots <= 0:
             return list(itertools.islice(self.waiting, slots))
         window = list(itertools.islice(self.waiting, SHORTEST_FIRST_WINDOW))
 
@@ -192,9 +192,7 @@ class Scheduler:
         """Tokens a waiting request would compute after the prefix the cache holds now."""
         if self.prefix_cache is None or not request.page_hashes:
             return request.num_tokens
-        cached = self.prefix_cache.cached_tokens(
-            request.prompt_token_ids, request.page_hashes, self._shareable_pages(request)
-        )
+        cached = self.prefix_cache.cached_tokens(request.page_hashes, self._shareable_pages(request))
         return request.num_tokens - cached
 
     def _take_from_queue(self, request: Request) -> None:

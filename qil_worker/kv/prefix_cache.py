@@ -52,16 +52,6 @@ class PrefixCache:
 
     def match(self, token_ids: Sequence[int], hashes: Sequence[int], max_pages: int) -> list[int]:
         """Hold and return the cached pages of the longest cached prefix (at most ``max_pages``)."""
-        pages = self._lookup(token_ids, hashes, max_pages)
-        for page in pages:
-            self.pool.retain(page)
-        return pages
-
-    def cached_tokens(self, token_ids: Sequence[int], hashes: Sequence[int], max_pages: int) -> int:
-        """How many leading tokens ``match`` would serve now, without holding anything."""
-        return len(self._lookup(token_ids, hashes, max_pages)) * self.page_size
-
-    def _lookup(self, token_ids: Sequence[int], hashes: Sequence[int], max_pages: int) -> list[int]:
         pages: list[int] = []
         for i, h in enumerate(hashes[:max_pages]):
             page = self._by_hash.get(h)
@@ -72,7 +62,21 @@ class PrefixCache:
             if page is None or stored != tokens:  # not cached, or a hash collision
                 break
             pages.append(page)
+        for page in pages:
+            self.pool.retain(page)
         return pages
+
+    def cached_tokens(self, hashes: Sequence[int], max_pages: int) -> int:
+        """Leading tokens a prompt with these page hashes would find cached now, holding nothing.
+
+        By hash alone (an estimate, to rank waiting requests cheaply); ``match`` confirms tokens.
+        """
+        found = 0
+        for h in hashes[:max_pages]:
+            if h not in self._by_hash and h not in self._in_flight:
+                break
+            found += 1
+        return found * self.page_size
 
     def record(self, prompt_tokens: int, hit_tokens: int) -> None:
         """Count one admitted request for the hit rate."""
