@@ -174,8 +174,8 @@ class Scheduler:
 
     def _admission_order(self) -> list[Request]:
         """The waiting requests to try this step, best first (see the module docstring)."""
-        slots = self.max_active - len(self.running)
-        if self.policy == "fcfs" or len(self.waiting) < 2 or slots <= 0:
+        slots = max(0, self.max_active - len(self.running))
+        if self.policy == "fcfs" or len(self.waiting) < 2 or slots == 0:
             return list(itertools.islice(self.waiting, slots))
         window = list(itertools.islice(self.waiting, SHORTEST_FIRST_WINDOW))
 
