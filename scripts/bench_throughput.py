@@ -20,7 +20,8 @@ start of the run); ITL = gaps between a request's consecutive tokens.
 
 ``--request-rate R`` (qil systems): requests arrive as a seeded Poisson process of R/s instead of
 all at once, and TTFT counts from each request's own arrival, so it shows what the prefix cache
-saves a request rather than how long it queued behind the others.
+saves a request rather than how long it queued behind the others. ``--schedule-policy`` sets
+qil's admission order (``fcfs``, as served by default, or ``shortest-first``).
 """
 
 from __future__ import annotations
