@@ -77,7 +77,7 @@ class Engine:
         """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
         off with ``debug``). Given ``True`` on another device, the same padded decode path runs
         without capture (for tests). ``schedule_policy``: the order waiting requests are admitted
-        in, ``"fcfs"`` or ``"shortest-first"`` (see ``engine.scheduler``)."""
+        in, ``"fcfs"`` or ``"shortest-first"`` (see ``qil_worker.schedule_policy``)."""
         for name, value in (
             ("num_pages", num_pages),
             ("page_size", page_size),
