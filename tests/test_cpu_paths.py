@@ -83,6 +83,49 @@ def test_kv_gather_pages_equals_gathering_their_slots():
     assert k2.data_ptr() == k.data_ptr() and torch.equal(k2, kv.k[0].index_select(0, slots[:5]))
 
 
+def test_kv_gather_rows_gives_each_head_its_keys_contiguously():
+    kv = KVCache(2, 8, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
+    kv.k.copy_(torch.randn_like(kv.k))
+    kv.v.copy_(torch.randn_like(kv.v))
+    slots = torch.tensor([[5, 0, 31], [7, 7, 12]])  # [batch, keys]
+    rows = (slots[:, None, :] * 2 + torch.arange(2)[None, :, None]).view(-1)  # [batch, head, keys]
+    k, v = kv.gather_rows(1, rows)
+    assert k.shape == (12, 8) and k.is_contiguous()
+    want_k = kv.k[1][slots].permute(0, 2, 1, 3).reshape(12, 8)  # [batch, key, head, D] → head-major
+    want_v = kv.v[1][slots].permute(0, 2, 1, 3).reshape(12, 8)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_bf16_decodes_take_the_head_major_path_and_match_the_reference(tmp_path, monkeypatch):
+    import qil_worker.model.attention as attention
+    from checkpoints import load_reference, make_checkpoint
+    from qil_worker import Qwen3
+    from qil_worker.engine.probe import ForwardProbe
+
+    path = make_checkpoint(tmp_path, seed=9)
+    model = Qwen3.from_directory(path, dtype=torch.bfloat16)
+    ref = load_reference(path, dtype=torch.bfloat16)
+    calls = []
+    rows = attention._head_major_rows
+    monkeypatch.setattr(attention, "_head_major_rows", lambda *a: calls.append(1) or rows(*a))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (30, 17, 9)]
+    probe = ForwardProbe(model, num_pages=48, page_size=4)
+    seqs = [probe.sequence(p) for p in prompts]
+    probe.forward([(s, len(p) - 3) for s, p in zip(seqs, prompts)])  # prefill all but 3 tokens
+    assert not calls, "prefill chunks keep their own path"
+    got = [[] for _ in prompts]
+    for _ in range(3):  # three decode steps of all three sequences together
+        for i, out in enumerate(probe.forward([(s, 1) for s in seqs])):
+            got[i].append(out)
+    assert calls, "bf16 decode rows on CPU should gather their keys head-major"
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0, -3:].float()
+        # as test_bfloat16_close_to_reference: bf16 keeps ~3 digits, both sides round differently
+        assert (torch.cat(got[i]).float() - want).abs().max() < 0.05 * want.abs().max(), i
+
+
 def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tiny_dir, ref, monkeypatch):
     """With the prefix cache, decode rows share prompt pages; attention reads those keys once
     for the group (merged by log-sum-exp) and the tokens stay exactly transformers' greedy ones."""

@@ -79,6 +79,21 @@ class KVCache:
             torch.index_select(v, 0, pages, out=out_v).view(shape),
         )
 
+    def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` viewed as one row per (slot, KV head) — row ``slot * Hkv + head`` —
+        at ``rows`` [N], as two contiguous [N, D] tensors (so any head-major order comes out
+        contiguous). On CPU in the reused buffers, like ``gather``."""
+        kv_heads, dim = self.k.shape[2:]
+        k, v = (t[layer].view(-1, dim) for t in (self.k, self.v))
+        if not self._reuse_gather:
+            return k.index_select(0, rows), v.index_select(0, rows)
+        out_k, out_v = (t.view(-1, dim) for t in self._buffers(-(-rows.numel() // kv_heads)))
+        n = rows.numel()
+        return (
+            torch.index_select(k, 0, rows, out=out_k[:n]),
+            torch.index_select(v, 0, rows, out=out_v[:n]),
+        )
+
     def _buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The reused CPU gather buffers, at least ``n`` rows, cut to exactly ``n``."""
         if self._gathered is None or self._gathered[0].shape[0] < n:
