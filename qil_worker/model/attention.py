@@ -85,11 +85,16 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
         prefix = _prefix_partial(q_pad, kv, layer, g.prefix_slots) if g.prefix_slots is not None else None
         l_max = g.key_slots.shape[1]
         on_cpu = q.device.type == "cpu"
-        if on_cpu and qm == 1 and prefix is None and q.dtype != torch.float32:
-            # decode rows in bf16/fp16: SDPA's CPU kernel is slow for them (see _head_major_rows)
+        if on_cpu and qm == 1 and (prefix is not None or q.dtype != torch.float32):
+            # decode rows attended by matmuls (SDPA's CPU kernel is slow for them in bf16/fp16):
+            # each head's keys gathered contiguous (see _head_major_rows)
             keys, values = kv.gather_rows(layer, _head_major_rows(g, num_kv_heads))
             shape = (b, num_kv_heads, l_max, head_dim)
-            out = _explicit_attention(q_pad, keys.view(shape), values.view(shape), g)
+            keys, values = keys.view(shape), values.view(shape)
+            if prefix is not None:
+                out = _merge_with_prefix(prefix, q_pad, keys, values, g)
+            else:
+                out = _explicit_attention(q_pad, keys, values, g)
         else:
             if g.key_pages is not None:
                 keys, values = kv.gather_pages(layer, g.key_pages.reshape(-1))
@@ -132,8 +137,10 @@ def _head_major_rows(group: AttentionGroup, num_kv_heads: int) -> torch.Tensor:
 
     Measured for bf16 decode steps (0.6B shape, 2 threads, median of 3): 16 rows at 1,000 tokens
     of context 318 → 247 ms, 8 at 600 116 → 94 ms, 16 at 300 107 → 99 ms, against page gather +
-    SDPA, whose CPU kernel converts every key block to float32 for only G query rows. In float32
-    SDPA stays ahead (0.94-0.97x), so float32 decodes keep it.
+    SDPA, whose CPU kernel is slow for so few query rows per head. In float32 SDPA stays ahead
+    (0.94-0.97x), so float32 decodes keep it unless they share a cached prefix: that path was
+    matmuls already and gains from contiguous keys in both dtypes (decode steps of the
+    prefix-heavy benchmark, bf16 10.4 → 9.3 s, float32 25.5-29.8 → 23.9-24.8 s).
     """
     if group.key_rows is None:
         heads = torch.arange(num_kv_heads, device=group.key_slots.device)
@@ -169,15 +176,18 @@ def _prefix_partial(
     q: torch.Tensor, kv: KVCache, layer: int, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention parts (``_softmax_parts``) of decode queries ``q`` [B, Hkv, G, D] over the keys
-    every row shares, gathered and read once for the whole group instead of once per row.
+    every row shares, gathered (head-major) and read once for the whole group instead of once per
+    row.
 
     Shaped [B, Hkv, G, *] like the rows' own parts.
     """
     b, kv_heads, groups, dim = q.shape
-    keys, values = kv.gather(layer, slots)  # [Lp, Hkv, D]
     q_heads = q.permute(1, 0, 2, 3).reshape(kv_heads, b * groups, dim)
-    scores = torch.bmm(q_heads, keys.permute(1, 2, 0)).float().mul_(dim**-0.5)  # [Hkv, B*G, Lp]
-    parts = _softmax_parts(scores, values.permute(1, 0, 2), q.dtype)
+    heads = torch.arange(kv_heads, device=slots.device)
+    keys, values = kv.gather_rows(layer, (slots[None, :] * kv_heads + heads[:, None]).view(-1))
+    keys, values = keys.view(kv_heads, -1, dim), values.view(kv_heads, -1, dim)  # [Hkv, Lp, D]
+    scores = torch.bmm(q_heads, keys.transpose(1, 2)).float().mul_(dim**-0.5)  # [Hkv, B*G, Lp]
+    parts = _softmax_parts(scores, values, q.dtype)
     return tuple(t.view(kv_heads, b, groups, t.shape[-1]).permute(1, 0, 2, 3) for t in parts)
 
 
