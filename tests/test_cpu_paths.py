@@ -88,7 +88,8 @@ def test_kv_gather_rows_gives_each_head_its_keys_contiguously():
     kv.k.copy_(torch.randn_like(kv.k))
     kv.v.copy_(torch.randn_like(kv.v))
     slots = torch.tensor([[5, 0, 31], [7, 7, 12]])  # [batch, keys]
-    rows = (slots[:, None, :] * 2 + torch.arange(2)[None, :, None]).view(-1)  # [batch, head, keys]
+    rows = kv.head_rows(slots)
+    assert rows.tolist() == [10, 0, 62, 11, 1, 63, 14, 14, 24, 15, 15, 25]  # slot * 2 + head
     k, v = kv.gather_rows(1, rows)
     assert k.shape == (12, 8) and k.is_contiguous()
     want_k = kv.k[1][slots].permute(0, 2, 1, 3).reshape(12, 8)  # [batch, key, head, D] → head-major

@@ -79,10 +79,16 @@ class KVCache:
             torch.index_select(v, 0, pages, out=out_v).view(shape),
         )
 
+    def head_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """For ``slots`` [..., L], the rows of ``gather_rows`` that give their keys head by head:
+        flattened [..., Hkv, L], so each KV head's keys come out contiguous."""
+        heads = torch.arange(self.k.shape[2], device=slots.device)
+        return (slots.unsqueeze(-2) * self.k.shape[2] + heads[:, None]).reshape(-1)
+
     def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``layer`` viewed as one row per (slot, KV head) — row ``slot * Hkv + head`` —
-        at ``rows`` [N], as two contiguous [N, D] tensors (so any head-major order comes out
-        contiguous). On CPU in the reused buffers, like ``gather``."""
+        at ``rows`` [N], as two contiguous [N, D] tensors (``head_rows`` orders them head-major).
+        On CPU in the reused buffers, like ``gather``."""
         kv_heads, dim = self.k.shape[2:]
         k, v = (t[layer].view(-1, dim) for t in (self.k, self.v))
         if not self._reuse_gather:
