@@ -95,16 +95,14 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
                 out = _merge_with_prefix(prefix, q_pad, keys, values, g)
             else:
                 out = _explicit_attention(q_pad, keys, values, g)
-        else:
+        else:  # no shared prefix here: groups get one only on CPU, and only decode groups
             if g.key_pages is not None:
                 keys, values = kv.gather_pages(layer, g.key_pages.reshape(-1))
             else:
                 keys, values = kv.gather(layer, g.key_slots.view(-1))
             keys = keys.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
             values = values.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
-            if prefix is not None:
-                out = _merge_with_prefix(prefix, q_pad, keys, values, g)
-            elif on_cpu and qm > 1:  # prefill chunks
+            if on_cpu and qm > 1:  # prefill chunks
                 out = _explicit_attention(q_pad, keys, values, g)
             else:
                 out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=g.mask)
