@@ -73,8 +73,8 @@ print(ok[0] if ok else 16)')
     side_by_side hf-continuous
     # a burst sharing a 512-token system prefix: with a 4096-token budget the first step admits
     # many of them, which share the prefix pages being filled in that same step
-    stage "prefix-heavy: 64 requests, +512 shared, bf16 — qil with and without the prefix cache"
-    timeout 90 "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --page-size "$page" \
+    stage "prefix-heavy: 64 requests, +512 shared, bf16 — qil without, with a cold and a warm prefix cache"
+    timeout 120 "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --page-size "$page" \
         --requests 64 --token-budget 4096 --prefill-chunk 2048 --prefix-heavy --systems qil \
         --json "$out/throughput_prefix.json" 2>&1 | grep "^\[\|workload\|prefix cache\|Error" || status=1
     side_by_side hf-static  # last: it has not finished within its limit on an H200 so far
@@ -85,6 +85,8 @@ else
     timeout 120 "$py" scripts/bench_decode_step.py --quick --batch 1 8 --steps 5 || status=1
     timeout 300 "$py" scripts/bench_throughput.py --quick --dtype float32 --json "$out/throughput.json" 2>&1 \
         | grep -v Warning | tail -8 || status=1
+    timeout 120 "$py" scripts/bench_throughput.py --quick --dtype float32 --prefix-heavy --systems qil 2>&1 \
+        | grep "^\[\|prefix cache\|Error" || status=1
 fi
 stage "done (status $status)"
 exit $status
