@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,6 +138,8 @@ def test_serve_kv_budget_no_prefix_cache_and_tokenizer_dir(tmp_path, text_dir):
         log = "".join(err_lines)
         assert "KV pool: 16 pages x 8 tokens = 128 tokens, 64.0 KiB (budget of 64.0 KiB)" in log
         assert f"tokenizer: {text_dir}" in log and "prefix cache: off; schedule: shortest-first" in log
+        frozen = re.search(r"(\d+) start-up objects frozen for the GC", log)
+        assert frozen and int(frozen.group(1)) > 10_000  # torch, the tokenizer, the model's modules
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -32,6 +32,7 @@ from qil_worker.service.errors import (
 )
 from qil_worker.service.front import Follower, Front, FrontConfig, Req, WorkerFailed, WorkerState
 from qil_worker.service.health import SERVICE_NAME, Health
+from qil_worker.service.heap import freeze_startup_heap
 from qil_worker.service.requests import submit_args
 
 log = logging.getLogger("qil.server")
@@ -521,6 +522,7 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None, announce
     except OSError as exc:  # a port in use (gRPC or metrics)
         log.error("cannot start the server: %s", exc)
         return 2
+    log.debug("front: %d start-up objects frozen for the GC", freeze_startup_heap())
     demo = " (embedded DEMO model: random weights)" if server.front.info.get("demo") else ""
     announce(f"qil serving on {config.host}:{port}{demo}")
     loop = asyncio.get_running_loop()

@@ -27,6 +27,7 @@ from typing import Any
 
 from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
+from qil_worker.service.heap import freeze_startup_heap
 
 log = logging.getLogger("qil.worker")
 
@@ -110,6 +111,7 @@ def _load(config: dict[str, Any]):
     engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, **engine_kw)
     _warm_up(engine, cfg.vocab_size)
     _install_forward_fault(model, os.environ.get(FAULT_FORWARD_ENV))
+    frozen = freeze_startup_heap()
     stats = engine.stats()
     info = {
         "name": "demo" if demo else str(model_dir),
@@ -141,10 +143,11 @@ def _load(config: dict[str, Any]):
     info["memory"] = memory
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
-        "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s",
+        "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
+        "%d start-up objects frozen for the GC",
         info["name"], time.perf_counter() - t0, info["dtype"], info["device"], pool.num_pages,
         pool.summary(), memory, tokenizer_dir or "none", "on" if info["prefix_cache"] else "off",
-        info["schedule_policy"], info["attention"], "on" if info["cuda_graphs"] else "off",
+        info["schedule_policy"], info["attention"], "on" if info["cuda_graphs"] else "off", frozen,
     )
     return engine, info
 
