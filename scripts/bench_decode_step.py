@@ -3,11 +3,14 @@
 
 CUDA: steps replayed from CUDA graphs against eager. CPU: weights packed for oneDNN (as
 ``Qwen3.from_directory`` loads them) against the plain parameters (``pack_weights=False``).
-For each batch size B: B requests with --prompt-len tokens are prefilled, then --steps decode
-steps are timed (wall time of ``Engine.step()``, which ends with the host reading the sampled
+``--attention A B``: attention backend A against B instead (e.g. ``sdpa varlen-packed``; CUDA
+graphs as the engine's default). For each batch size B: B requests with --prompt-len tokens (or
+lengths spread evenly over ``--prompt-len MIN MAX``) are prefilled, then --steps decode steps
+are timed (wall time of ``Engine.step()``, which ends with the host reading the sampled
 tokens). Prints ms/step and tokens/s for both, and the speed-up.
 
     python scripts/bench_decode_step.py --device cuda --batch 1 8 64 256
+    python scripts/bench_decode_step.py --device cuda --attention sdpa varlen-packed --prompt-len 100 2000
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16
 """
 
@@ -22,20 +25,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import FULL_SHAPE, QUICK_SHAPE, ensure_model  # noqa: E402
 
 
-def time_steps(model, batch: int, prompt_len: int, steps: int, cuda_graphs: bool, page_size: int) -> float:
+def prompt_lengths(batch: int, spec: list[int]) -> list[int]:
+    """``spec`` [N]: all N; [MIN, MAX]: spread evenly from MIN to MAX over the batch."""
+    low, high = spec[0], spec[-1]
+    return [low + (high - low) * b // max(1, batch - 1) for b in range(batch)]
+
+
+def time_steps(model, batch: int, prompt_len: list[int], steps: int, cuda_graphs: bool | None, page_size: int,
+               attention: str = "auto") -> float:
     """Mean seconds per decode step of ``batch`` requests."""
     from qil_worker import Engine
 
-    budget = max(4096, batch)
+    lengths = prompt_lengths(batch, prompt_len)
+    budget = max(4096, batch, max(lengths))
     # early requests decode while later ones prefill: room for those tokens too
-    new_tokens = steps + 8 + -(-batch * prompt_len // budget)
-    pages = batch * (-(-(prompt_len + new_tokens) // page_size)) + 8
+    new_tokens = steps + 8 + -(-sum(lengths) // budget)
+    pages = sum(-(-(n + new_tokens) // page_size) for n in lengths) + 8
     engine = Engine(model, num_pages=pages, page_size=page_size, token_budget=budget,
-                    prefill_chunk=prompt_len, max_active=batch, cuda_graphs=cuda_graphs,
-                    prefix_cache=False)
+                    prefill_chunk=max(lengths), max_active=batch, cuda_graphs=cuda_graphs,
+                    prefix_cache=False, attention=attention)
     vocab = model.config.vocab_size
-    for b in range(batch):
-        engine.submit([(b * 131 + i * 7) % vocab for i in range(prompt_len)],
+    for b, n in enumerate(lengths):
+        engine.submit([(b * 131 + i * 7) % vocab for i in range(n)],
                       max_new_tokens=new_tokens, ignore_eos=True)
     started: set[str] = set()
     while len(started) < batch:  # prefill everyone
@@ -57,7 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 elsewhere")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[128], help="N, or MIN MAX (spread)")
+    p.add_argument("--attention", nargs=2, default=None, metavar=("A", "B"),
+                   help="compare two attention backends (auto, sdpa, varlen, varlen-packed)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="tiny model (smoke test)")
@@ -69,19 +82,23 @@ def main(argv=None) -> int:
     default = Path.home() / ".cache" / "qil" / ("bench-quick" if args.quick else "bench-qwen3-0.6b-shape")
     model_dir = ensure_model(args.model_dir or default, shape)
     model = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype)
-    if model.device.type == "cuda":
+    if args.attention:
+        names = tuple(args.attention)
+        reference, fast = ((model, None, a) for a in args.attention)
+    elif model.device.type == "cuda":
         names = ("eager", "graph")
-        reference, fast = (model, False), (model, True)
+        reference, fast = (model, False, "auto"), (model, True, "auto")
     else:
         names = ("plain", "packed")
         plain = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype, pack_weights=False)
-        reference, fast = (plain, False), (model, False)
-    print(f"decode step, {model.dtype} on {model.device}, prompt {args.prompt_len}, page size {args.page_size}")
+        reference, fast = (plain, False, "auto"), (model, False, "auto")
+    print(f"decode step, {model.dtype} on {model.device}, prompt {'-'.join(map(str, args.prompt_len))}, "
+          f"page size {args.page_size}")
     print(f"{'batch':>6}{names[0] + ' ms':>10}{names[1] + ' ms':>10}{names[0] + ' tok/s':>13}"
           f"{names[1] + ' tok/s':>13}{'speed-up':>10}")
     for batch in args.batch:
-        slow = time_steps(reference[0], batch, args.prompt_len, args.steps, reference[1], args.page_size)
-        quick = time_steps(fast[0], batch, args.prompt_len, args.steps, fast[1], args.page_size)
+        slow = time_steps(reference[0], batch, args.prompt_len, args.steps, reference[1], args.page_size, reference[2])
+        quick = time_steps(fast[0], batch, args.prompt_len, args.steps, fast[1], args.page_size, fast[2])
         print(f"{batch:>6}{1000 * slow:>10.2f}{1000 * quick:>10.2f}{batch / slow:>13.0f}{batch / quick:>13.0f}"
               f"{slow / quick:>9.2f}x", flush=True)
     return 0

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import DTYPES, FULL_SHAPE, QUICK_SHAPE, ensure_model, load_hf  # noqa: E402
+from qil_worker.model.varlen import ATTENTION_CHOICES  # noqa: E402
 from qil_worker.schedule_policy import SCHEDULE_POLICIES  # noqa: E402
 
 
@@ -97,7 +98,7 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
     engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
                     token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
                     max_active=args.max_active, prefix_cache=prefix_cache, cuda_graphs=cuda_graphs,
-                    schedule_policy=args.schedule_policy)
+                    schedule_policy=args.schedule_policy, attention=args.attention)
     if served_before is not None:
         engine.generate([served_before], max_new_tokens=1)
     sampling = dict(temperature=args.temperature, seed=args.seed) if args.temperature else {}
@@ -250,6 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-active", type=int, default=256)
     p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
                    help="qil's admission order (both qil runs of --prefix-heavy use it)")
+    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="qil's attention backend")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="tiny model and lengths (smoke test)")
     p.add_argument("--json", type=Path, default=None)

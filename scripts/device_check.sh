@@ -61,6 +61,23 @@ print(ok[0] if ok else 16)')
     timeout 90 "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --page-size "$page" \
         --token-budget 4096 --prefill-chunk 2048 --systems qil \
         --json "$out/throughput_256.json" 2>&1 | grep "^\[\|workload\|Error" || status=1
+
+    # the packed varlen kernel (keys gathered without padding) is opt-in until measured here
+    packed=$("$py" -c '
+import torch
+from qil_worker.model.varlen import PACKED, probe_varlen
+print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, PACKED) or "ok")')
+    echo "packed varlen attention: $packed"
+    if [ "$packed" = ok ]; then
+        stage "decode step: gather + SDPA vs packed varlen (graphs), prompts spread 100-2000"
+        timeout 120 "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
+            --attention sdpa varlen-packed --prompt-len 100 2000 --batch 16 64 256 2>&1 | grep -v Warning \
+            | tee "$out/decode_step_packed.log" || status=1
+        stage "throughput: 256 requests as above — qil with --attention varlen-packed"
+        timeout 90 "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --page-size "$page" \
+            --token-budget 4096 --prefill-chunk 2048 --systems qil --attention varlen-packed \
+            --json "$out/throughput_256_packed.json" 2>&1 | grep "^\[\|workload\|Error" || status=1
+    fi
     # transformers needs minutes for 256 such requests (its continuous batching did not finish
     # them in 120 s on an H200), so the side-by-side runs the same distribution with 64 requests.
     side_by_side() {

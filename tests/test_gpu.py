@@ -1,4 +1,4 @@
-"""CUDA-only checks (skipped without a GPU): the paged varlen flash-attention path."""
+"""CUDA-only checks (skipped without a GPU): the varlen flash-attention paths (paged, packed)."""
 
 import random
 
@@ -7,7 +7,7 @@ import torch
 
 from qil_worker import Engine, Qwen3
 from qil_worker.engine.probe import ForwardProbe
-from qil_worker.model.varlen import probe_varlen
+from qil_worker.model.varlen import PACKED, PAGED, probe_varlen
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -17,28 +17,29 @@ def model(tiny_dir):
     return Qwen3.from_directory(tiny_dir, device="cuda", dtype="bfloat16")
 
 
+@pytest.mark.parametrize("mode", [PAGED, PACKED])
 @pytest.mark.parametrize("page_size", [16, 256])
-def test_varlen_path_agrees_with_gather_sdpa(model, page_size):
+def test_varlen_path_agrees_with_gather_sdpa(model, page_size, mode):
     c = model.config
-    why = probe_varlen(model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-    print(f"page_size={page_size}: varlen {'available' if why is None else 'unavailable: ' + why}")
+    why = probe_varlen(model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, mode)
+    print(f"page_size={page_size}: {mode} {'available' if why is None else 'unavailable: ' + why}")
     if why is not None:
         pytest.skip(why)
     rng = random.Random(page_size)
     prompts = [[rng.randrange(97) for _ in range(n)] for n in (1, 7, 40, 300)]
     outs = {}
-    for varlen in (False, True):
+    for varlen in (None, mode):
         probe = ForwardProbe(model, num_pages=64 * 256 // page_size, page_size=page_size, varlen=varlen)
         seqs = [probe.sequence(p) for p in prompts]
         first = probe.forward([(s, min(len(p), 5)) for s, p in zip(seqs, prompts)])
         rest = probe.forward([(s, len(p) - 5) for s, p in zip(seqs, prompts) if len(p) > 5])
         outs[varlen] = torch.cat(first + rest)
-    scale = outs[False].abs().max()
-    assert (outs[True] - outs[False]).abs().max() < 0.03 * scale
+    scale = outs[None].abs().max()
+    assert (outs[mode] - outs[None]).abs().max() < 0.03 * scale
 
-    engines = [Engine(model, num_pages=64 * 256 // page_size, page_size=page_size) for _ in range(2)]
-    engines[1].attention_backend = "sdpa"
-    assert engines[0].attention_backend == "varlen"
+    engines = [Engine(model, num_pages=64 * 256 // page_size, page_size=page_size, attention=a) for a in (mode, "sdpa")]
+    assert [e.attention_backend for e in engines] == [mode, "sdpa"]
     res = [e.generate(prompts, max_new_tokens=16) for e in engines]
     agree = sum(a == b for x, y in zip(*res) for a, b in zip(x.output_token_ids, y.output_token_ids))
     assert agree >= 0.9 * 16 * len(prompts)
+    assert engines[0].decode_graphs.steps > 0  # the graphed decode steps ran this kernel too

@@ -122,6 +122,7 @@ def test_serve_kv_budget_no_prefix_cache_and_tokenizer_dir(tmp_path, text_dir):
             info = c.info()
             assert info.pages.total == 16 and info.pages.page_bytes == 4096
             assert info.limits.page_size == 8 and info.limits.schedule_policy == "shortest-first"
+            assert info.limits.attention_backend == "sdpa" and not info.limits.cuda_graphs  # CPU
             assert info.model.has_tokenizer and not info.prefix_cache.enabled
             prompt = [(5 * i + 1) % 250 for i in range(40)]
             runs = [c.generate(prompt, max_new_tokens=3) for _ in range(2)]
@@ -146,8 +147,9 @@ def test_serve_kv_budget_no_prefix_cache_and_tokenizer_dir(tmp_path, text_dir):
 
 
 def test_serve_without_tokenizer_and_refused_configurations(tmp_path, text_dir):
-    """--no-tokenizer serves token ids only; a KV fraction needs CUDA, and a tokenizer whose
-    vocabulary does not fit the model's is refused (both: exit before serving)."""
+    """--no-tokenizer serves token ids only; a KV fraction and a varlen attention backend need
+    CUDA, and a tokenizer whose vocabulary does not fit the model's is refused (all: exit before
+    serving)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("QIL_AUTH_TOKEN", None)
     serve = [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--threads", "1"]
@@ -159,7 +161,8 @@ def test_serve_without_tokenizer_and_refused_configurations(tmp_path, text_dir):
         subprocess.Popen(serve + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env, cwd=ROOT)
         for args in (["--model", str(text_dir), "--kv-memory-fraction", "0.5"],
-                     ["--model", str(tiny), "--tokenizer", str(text_dir)])
+                     ["--model", str(tiny), "--tokenizer", str(text_dir)],
+                     ["--model", str(tiny), "--attention", "varlen-packed"])
     ]
     proc, target, _ = _start(env, "--model", str(text_dir), "--no-tokenizer", "--grace-seconds", "1")
     try:
@@ -176,6 +179,7 @@ def test_serve_without_tokenizer_and_refused_configurations(tmp_path, text_dir):
         if proc.poll() is None:
             proc.kill()
     outs = [p.communicate(timeout=120) for p in failing]
-    assert [p.returncode for p in failing] == [2, 2]
+    assert [p.returncode for p in failing] == [2, 2, 2]
     assert "CUDA" in outs[0][1]
     assert "do not belong together" in outs[1][1]
+    assert "attention 'varlen-packed' is unavailable: not a CUDA device" in outs[2][1]

@@ -24,7 +24,7 @@ def test_flags_reach_the_engine_and_the_front():
     assert cfg.front.model == "/m" and cfg.front.max_queued == 4
     assert cfg.front.engine == dict(
         num_pages=7, page_size=8, token_budget=9, prefill_chunk=10, max_active=3, prefix_cache=True,
-        schedule_policy="fcfs",
+        schedule_policy="fcfs", attention="auto",
     )
     assert cfg.auth_token is None or cfg.auth_token  # from the environment, if any
     assert cfg.front.kv_memory_bytes is None and cfg.front.kv_memory_fraction is None
@@ -44,6 +44,12 @@ def test_schedule_policy_flag():
     ] == "shortest-first"
     with pytest.raises(SystemExit):
         _parse(["--schedule-policy", "random"])
+
+
+def test_attention_flag():
+    assert config_from_args(_parse(["--attention", "varlen-packed"])).front.engine["attention"] == "varlen-packed"
+    with pytest.raises(SystemExit):
+        _parse(["--attention", "flash"])
 
 
 def test_prefix_cache_and_tokenizer_flags():

@@ -17,7 +17,7 @@ import torch
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import to_device
 from qil_worker.model.attention import AttentionGroup, AttentionMetadata
-from qil_worker.model.varlen import VarlenMetadata
+from qil_worker.model.varlen import PACKED, VarlenMetadata
 
 
 @dataclass
@@ -35,11 +35,12 @@ def build_step_batch(
     page_size: int,
     query_groups: int,
     device: torch.device,
-    varlen: bool = False,
+    varlen: str | None = None,
 ) -> StepBatch:
     """``query_groups``: query heads per KV head (the GQA fold of the attention mask).
 
-    ``varlen``: describe attention for the CUDA paged kernel instead of padded SDPA groups.
+    ``varlen`` (``varlen.PAGED`` or ``varlen.PACKED``): describe attention for that CUDA kernel
+    instead of padded SDPA groups.
     """
     groups_of_chunks = attention_groups([c for c in chunks if c.num_tokens == 1]) + attention_groups(
         [c for c in chunks if c.num_tokens > 1]
@@ -83,7 +84,7 @@ def build_step_batch(
         attention=AttentionMetadata(
             slot_mapping=slot_mapping,
             groups=groups,
-            varlen=_varlen_metadata(ordered, tables, device) if varlen else None,
+            varlen=_varlen_metadata(ordered, tables, page_size, device, packed=varlen == PACKED) if varlen else None,
             page_size=page_size,
         ),
         sample_indices=to_device(sample_indices, device, torch.long),
@@ -119,20 +120,34 @@ def attention_groups(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]
 
 
 def _varlen_metadata(
-    ordered: list[ScheduledChunk], tables: torch.Tensor, device: torch.device
+    ordered: list[ScheduledChunk], tables: torch.Tensor, page_size: int, device: torch.device, packed: bool
 ) -> VarlenMetadata:
     q_lens = [c.num_tokens for c in ordered]
     k_lens = [c.end for c in ordered]
     offsets = torch.tensor([[0] + q_lens, [0] + k_lens], dtype=torch.int32).cumsum(1, dtype=torch.int32)
     offsets = offsets.to(device, non_blocking=True)
+    seq_used_k = to_device(k_lens, device, torch.int32)
     return VarlenMetadata(
         cu_seq_q=offsets[0],
         cu_seq_k=offsets[1],
-        seq_used_k=to_device(k_lens, device, torch.int32),
-        block_table=tables.to(torch.int32),
+        seq_used_k=seq_used_k,
+        block_table=None if packed else tables.to(torch.int32),
         max_q=max(q_lens),
         max_k=max(k_lens),
+        key_slots=packed_key_slots(tables, seq_used_k, offsets[1], sum(k_lens), page_size) if packed else None,
     )
+
+
+def packed_key_slots(
+    tables: torch.Tensor, lengths: torch.Tensor, cu_lengths: torch.Tensor, total: int, page_size: int
+) -> torch.Tensor:
+    """The KV slots of keys ``0..lengths[r]-1`` of every row ``r`` of ``tables``, row after row
+    ([total]), computed on the device without a host round trip."""
+    row = torch.repeat_interleave(
+        torch.arange(tables.shape[0], device=tables.device), lengths.long(), output_size=total
+    )
+    position = torch.arange(total, device=tables.device) - cu_lengths[:-1].long()[row]
+    return tables[row, position // page_size] * page_size + position % page_size
 
 
 def _group(

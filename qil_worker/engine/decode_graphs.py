@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs captured per (batch bucket, context bucket).
+"""Decode steps replayed from CUDA graphs captured per (batch bucket, context or key bucket).
 
 A decode step launches hundreds of small kernels whose Python and launch overhead dominates at
 small batch. Here a decode-only step (every chunk is one token that is sampled) is padded to a
@@ -7,6 +7,8 @@ batch bucket and a context bucket and replayed from a graph captured for that sh
 - static inputs — token ids, positions and a block table — are the only things copied per step;
   everything attention needs (KV slots, the mask or the varlen offsets) is derived from them
   *inside* the graph, so the graph works for the SDPA gather path and for varlen alike;
+- the gather + SDPA path pads every row to the context bucket; the packed varlen path gathers
+  only real keys, so its second bucket is the step's total key count (powers of two) instead;
 - padded rows read and write only the KV cache's scratch page, never a real request's;
 - the graph stops at the decoder stack's hidden states, and the final norm + LM head run eagerly
   on the real rows only, so each graph's output stays small and memory is one shared pool.
@@ -29,12 +31,13 @@ from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.kv import KVCache
 from qil_worker.model import Qwen3
 from qil_worker.model.attention import AttentionGroup, AttentionMetadata
-from qil_worker.model.varlen import VarlenMetadata
+from qil_worker.model.varlen import PACKED, PAGED, VarlenMetadata
 
 log = logging.getLogger(__name__)
 
 SMALL_BATCHES = (1, 2, 4, 8)
 MIN_CONTEXT_BUCKET = 256
+MIN_KEY_BUCKET = 1024
 # The gather + SDPA path materialises [batch, context] keys and values per layer; a graph keeps
 # that workspace reserved, so shapes whose gather exceeds this run eagerly instead.
 MAX_GATHER_BYTES = 4 << 30
@@ -59,6 +62,15 @@ def context_buckets(max_context: int, page_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def key_buckets(max_keys: int) -> list[int]:
+    """Powers of two from 1,024 keys, the last covering ``max_keys`` (packed varlen graphs)."""
+    sizes, n = [], MIN_KEY_BUCKET
+    while n < max_keys:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_keys]
+
+
 class DecodeGraphs:
     """Runs decode-only steps through padded static buffers, from CUDA graphs where possible."""
 
@@ -69,8 +81,9 @@ class DecodeGraphs:
         page_size: int,
         max_batch: int,
         max_context: int,
-        varlen: bool,
+        varlen: str | None,
     ) -> None:
+        """``varlen``: ``varlen.PAGED``, ``varlen.PACKED`` or None (gather + SDPA)."""
         if kv.scratch_page is None:
             raise ValueError("the KV cache needs a scratch page for padded decode rows")
         self.model = model
@@ -82,6 +95,7 @@ class DecodeGraphs:
         self._bytes_per_key = kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
         self.batches = batch_buckets(max_batch)
         self.contexts = context_buckets(max_context, page_size)
+        self.keys = key_buckets(self.batches[-1] * self.contexts[-1])
         device = model.device
         max_pages = self.contexts[-1] // page_size
         self._ids = torch.zeros(self.batches[-1], dtype=torch.long, device=device)
@@ -104,31 +118,39 @@ class DecodeGraphs:
             return False
         if max(c.end for c in chunks) > self.contexts[-1]:
             return False
-        if self.varlen:
+        if self.varlen == PAGED:
             return True
-        batch, context = self._shape(chunks)
-        return 2 * batch * context * self._bytes_per_key <= MAX_GATHER_BYTES
+        batch, context, keys = self._shape(chunks)
+        gathered = keys if self.varlen == PACKED else batch * context
+        return 2 * gathered * self._bytes_per_key <= MAX_GATHER_BYTES
 
-    def _shape(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
-        """The (batch, context) bucket a step is padded to."""
+    def _shape(self, chunks: list[ScheduledChunk]) -> tuple[int, int, int]:
+        """The (batch, context, keys) buckets a step is padded to; keys only for packed varlen
+        (each padded row has one key, on the scratch page)."""
         batch = self.batches[bisect.bisect_left(self.batches, len(chunks))]
-        return batch, self.contexts[bisect.bisect_left(self.contexts, max(c.end for c in chunks))]
+        context = self.contexts[bisect.bisect_left(self.contexts, max(c.end for c in chunks))]
+        if self.varlen != PACKED:
+            return batch, context, 0
+        total = sum(c.end for c in chunks) + batch - len(chunks)
+        return batch, context, self.keys[bisect.bisect_left(self.keys, total)]
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [len(chunks), vocab] for a step that ``handles`` accepted, rows in chunk order."""
         rows = len(chunks)
         self.steps += 1
-        batch, context = self._shape(chunks)
+        batch, context, keys = self._shape(chunks)
         self._stage(chunks, batch, context // self.page_size)
-        captured = self._graphs.get((batch, context))
+        # packed graphs read the whole table width, so one graph serves every context
+        shape = (batch, keys) if self.varlen == PACKED else (batch, context)
+        captured = self._graphs.get(shape)
         if captured is None and self.capture:
             try:
-                captured = self._capture(batch, context)
+                captured = self._capture(shape)
             except Exception:  # noqa: BLE001 - a build that cannot capture still serves, eagerly
                 log.warning("CUDA graph capture failed; decode steps run eagerly from now on", exc_info=True)
                 self.capture = False
         if captured is None:
-            hidden = self._body(batch, context)
+            hidden = self._body(shape)
         else:
             graph, hidden = captured
             graph.replay()
@@ -153,31 +175,42 @@ class DecodeGraphs:
         self._positions[:batch].copy_(positions, non_blocking=True)
         self._tables[:batch, :pages].copy_(table, non_blocking=True)
 
-    def _body(self, batch: int, context: int) -> torch.Tensor:
+    def _body(self, shape: tuple[int, int]) -> torch.Tensor:
         """The graph's contents: metadata from the static buffers, then the decoder stack."""
+        batch, second = shape
         positions = self._positions[:batch]
-        tables = self._tables[:batch, : context // self.page_size]
-        meta = decode_metadata(
-            tables, positions, self.page_size, context, self.model.config.num_query_groups, self.varlen
-        )
+        if self.varlen == PACKED:
+            # no row has more keys than all rows together: a bound on the longest that is tighter
+            # than the largest context for small batches
+            meta = decode_metadata(
+                self._tables[:batch], positions, self.page_size, min(second, self.contexts[-1]),
+                self.model.config.num_query_groups, PACKED, keys=second,
+                scratch_slot=self.kv.scratch_page * self.page_size,
+            )
+        else:
+            meta = decode_metadata(
+                self._tables[:batch, : second // self.page_size], positions, self.page_size, second,
+                self.model.config.num_query_groups, self.varlen,
+            )
         return self.model.hidden_states(self._ids[:batch], positions, meta, self.kv)
 
-    def _capture(self, batch: int, context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, shape: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         t0 = time.perf_counter()
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(side):  # warm up outside capture (lazy init, workspace sizes)
-            self._body(batch, context)
+            self._body(shape)
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden = self._body(batch, context)
-        self._graphs[(batch, context)] = (graph, hidden)
+            hidden = self._body(shape)
+        self._graphs[shape] = (graph, hidden)
         seconds = time.perf_counter() - t0
         self.capture_seconds += seconds
         log.info(
-            "captured decode CUDA graph: batch %d, context %d tokens, in %.0f ms (%d graphs, %.1f s total)",
-            batch, context, 1000 * seconds, len(self._graphs), self.capture_seconds,
+            "captured decode CUDA graph: batch %d, %s %d, in %.0f ms (%d graphs, %.1f s total)",
+            shape[0], "keys" if self.varlen == PACKED else "context", shape[1], 1000 * seconds,
+            len(self._graphs), self.capture_seconds,
         )
         return graph, hidden
 
@@ -188,16 +221,40 @@ def decode_metadata(
     page_size: int,
     context: int,
     query_groups: int,
-    varlen: bool,
+    varlen: str | None,
+    keys: int = 0,
+    scratch_slot: int = 0,
 ) -> AttentionMetadata:
     """Attention metadata for one decode token per row, derived on the device (graph-safe).
 
-    ``tables`` [B, context/page_size] page ids (padding = scratch page), ``positions`` [B]:
-    each row's token position, which is also how many keys it has before this token.
+    ``tables`` [B, pages] page ids (padding = scratch page), ``positions`` [B]: each row's token
+    position, which is also how many keys it has before this token. ``context``: the keys a row
+    may have at most (gather + SDPA: the padded width, ``tables`` [B, context/page_size]).
+    Packed varlen: ``keys``, the static length of the packed key gather (at least the rows'
+    total); the slots after the last row's keys read ``scratch_slot``.
     """
     rows = torch.arange(tables.shape[0], device=tables.device)
     slot_mapping = tables[rows, positions // page_size] * page_size + positions % page_size
-    if varlen:
+    if varlen == PACKED:
+        used = positions + 1
+        ends = used.cumsum(0)
+        index = torch.arange(keys, device=tables.device)
+        row = torch.searchsorted(ends, index, right=True).clamp_(max=tables.shape[0] - 1)
+        position = (index - ends[row] + used[row]).clamp_(0, tables.shape[1] * page_size - 1)
+        slots = tables[row, position // page_size] * page_size + position % page_size
+        cu_k = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
+        cu_k[1:] = ends
+        meta = VarlenMetadata(
+            cu_seq_q=torch.arange(tables.shape[0] + 1, dtype=torch.int32, device=tables.device),
+            cu_seq_k=cu_k,
+            seq_used_k=used.to(torch.int32),
+            block_table=None,
+            max_q=1,
+            max_k=context,
+            key_slots=torch.where(index < ends[-1], slots, scratch_slot),
+        )
+        return AttentionMetadata(slot_mapping, [], varlen=meta, page_size=page_size)
+    if varlen == PAGED:
         used = (positions + 1).to(torch.int32)
         cu_k = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
         cu_k[1:] = used.cumsum(0, dtype=torch.int32)

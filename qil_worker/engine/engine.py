@@ -29,7 +29,7 @@ from qil_worker.errors import (
 )
 from qil_worker.kv import KVCache, PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.model import Qwen3
-from qil_worker.model.varlen import probe_varlen
+from qil_worker.model.varlen import SDPA, choose_attention
 from qil_worker.text.output import TextOutput
 from qil_worker.text.prompt import encode_prompt
 
@@ -73,11 +73,14 @@ class Engine:
         prefix_cache: bool = True,
         cuda_graphs: bool | None = None,
         schedule_policy: str = "fcfs",
+        attention: str = "auto",
     ) -> None:
         """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
         off with ``debug``). Given ``True`` on another device, the same padded decode path runs
         without capture (for tests). ``schedule_policy``: the order waiting requests are admitted
-        in, ``"fcfs"`` or ``"shortest-first"`` (see ``qil_worker.schedule_policy``)."""
+        in, ``"fcfs"`` or ``"shortest-first"`` (see ``qil_worker.schedule_policy``).
+        ``attention``: ``"auto"``, ``"sdpa"``, ``"varlen"`` (paged) or ``"varlen-packed"`` (CUDA;
+        see ``qil_worker.model.varlen``)."""
         for name, value in (
             ("num_pages", num_pages),
             ("page_size", page_size),
@@ -108,17 +111,17 @@ class Engine:
             policy=schedule_policy,
         )
         self.sampler = Sampler()
-        why_not = probe_varlen(
-            model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.attention_backend, why_not = choose_attention(
+            attention, model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim,
         )
-        self.attention_backend = "sdpa" if why_not else "varlen"
         if why_not and model.device.type == "cuda":
             log.info("attention: gather + SDPA (paged varlen flash attention unavailable: %s)", why_not)
         self.decode_graphs = (
             DecodeGraphs(
                 model, self.kv, page_size, max_batch=min(max_active, MAX_GRAPH_BATCH),
                 max_context=min(c.max_position_embeddings, num_pages * page_size),
-                varlen=self.attention_backend == "varlen",
+                varlen=self._varlen,
             )
             if cuda_graphs
             else None
@@ -230,7 +233,7 @@ class Engine:
             else:
                 batch = build_step_batch(
                     chunks, self.page_size, self.model.config.num_query_groups, self.model.device,
-                    varlen=self.attention_backend == "varlen",
+                    varlen=self._varlen,
                 )
                 logits = self.model(
                     batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices
@@ -251,6 +254,11 @@ class Engine:
                 )
             )
         return events
+
+    @property
+    def _varlen(self) -> str | None:
+        """The varlen kernel the step's attention uses (``varlen.PAGED`` / ``PACKED``), or None."""
+        return None if self.attention_backend == SDPA else self.attention_backend
 
     def _accept_token(
         self,

@@ -21,11 +21,11 @@ from qil_worker.model import Qwen3
 
 
 class ForwardProbe:
-    def __init__(self, model: Qwen3, num_pages: int = 256, page_size: int = 16, varlen: bool = False) -> None:
+    def __init__(self, model: Qwen3, num_pages: int = 256, page_size: int = 16, varlen: str | None = None) -> None:
         c = model.config
         self.model = model
         self.page_size = page_size
-        self.varlen = varlen  # use the CUDA paged flash-attention path
+        self.varlen = varlen  # a CUDA varlen kernel (``varlen.PAGED`` / ``PACKED``) instead of SDPA
         self.kv = KVCache(
             c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
             model.dtype, model.device, debug=True,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qil_worker.kv.cache import KVCache
-from qil_worker.model.varlen import VarlenMetadata, varlen_paged_attention
+from qil_worker.model.varlen import VarlenMetadata, varlen_attention
 
 
 @dataclass
@@ -53,7 +53,7 @@ class AttentionGroup:
 class AttentionMetadata:
     """Everything attention needs for one step, shared by all layers.
 
-    Either ``groups`` (portable gather + SDPA) or ``varlen`` (CUDA paged flash attention).
+    Either ``groups`` (portable gather + SDPA) or ``varlen`` (CUDA varlen flash attention).
     """
 
     slot_mapping: torch.Tensor  # [T] where each token's K/V are written
@@ -65,7 +65,7 @@ class AttentionMetadata:
 def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
     """``q`` [T, Hq, D]; ``kv`` already holds this step's keys of ``layer`` → [T, Hq*D]."""
     if meta.varlen is not None:
-        return varlen_paged_attention(q, kv.k[layer], kv.v[layer], meta.varlen, meta.page_size)
+        return varlen_attention(q, kv, layer, meta.varlen, meta.page_size)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv.k.shape[2]
     groups_per_kv = num_heads // num_kv_heads

@@ -8,6 +8,7 @@ import asyncio
 import os
 import sys
 
+from qil_worker.attention_backends import ATTENTION_CHOICES
 from qil_worker.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
 from qil_worker.service import limits, logs
 from qil_worker.service.front import FrontConfig
@@ -57,6 +58,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-prefix-cache", action="store_true",
         help="do not reuse the KV of shared prompt prefixes (on by default)",
+    )
+    p.add_argument(
+        "--attention", choices=ATTENTION_CHOICES, default="auto",
+        help="attention backend: auto (CUDA: torch's paged varlen flash attention where the build "
+        "has it, else gather + SDPA), sdpa, varlen, or varlen-packed (CUDA: varlen flash attention "
+        "over keys gathered without padding; opt-in until measured on GPUs)",
     )
     p.add_argument(
         "--no-cuda-graphs", action="store_true",
@@ -181,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                 max_active=args.max_active,
                 prefix_cache=not args.no_prefix_cache,
                 schedule_policy=args.schedule_policy,
+                attention=args.attention,
                 **({"cuda_graphs": False} if args.no_cuda_graphs else {}),
             ),
             kv_memory_bytes=args.kv_memory_bytes,

@@ -396,6 +396,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 max_queued=front.config.max_queued,
                 max_request_id_length=limits.MAX_REQUEST_ID_LENGTH,
                 schedule_policy=info.get("schedule_policy", eng.get("schedule_policy", "")),
+                attention_backend=info.get("attention", ""),
+                cuda_graphs=bool(info.get("cuda_graphs")),
             ),
             pages=pb.PagePool(
                 total=total, used=used, free=free, cached=cached, page_bytes=info.get("page_bytes", 0)

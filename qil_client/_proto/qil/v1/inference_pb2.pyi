@@ -257,7 +257,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., demo: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class EngineLimits(_message.Message):
-    __slots__ = ("page_size", "token_budget", "prefill_chunk", "max_active", "max_queued", "max_request_id_length", "schedule_policy")
+    __slots__ = ("page_size", "token_budget", "prefill_chunk", "max_active", "max_queued", "max_request_id_length", "schedule_policy", "attention_backend", "cuda_graphs")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,8 @@ class EngineLimits(_message.Message):
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_ID_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     token_budget: int
     prefill_chunk: int
@@ -272,7 +274,9 @@ class EngineLimits(_message.Message):
     max_queued: int
     max_request_id_length: int
     schedule_policy: str
-    def __init__(self, page_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_active: _Optional[int] = ..., max_queued: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., schedule_policy: _Optional[str] = ...) -> None: ...
+    attention_backend: str
+    cuda_graphs: bool
+    def __init__(self, page_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_active: _Optional[int] = ..., max_queued: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., schedule_policy: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ...) -> None: ...
 
 class PagePool(_message.Message):
     __slots__ = ("total", "used", "free", "cached", "page_bytes")
