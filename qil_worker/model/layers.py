@@ -14,6 +14,13 @@ from qil_worker import cpu_memory
 from qil_worker.model.linear import Linear, pack_and_release
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` divided by its root mean square over the last dimension, computed in float32 and
+    returned in ``x``'s dtype — a new tensor; the caller applies the weight after the cast, as the
+    reference does. ``F.rms_norm`` is one fused kernel on CUDA where the formula is five."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32."""
 
@@ -23,10 +30,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * rms_normalize(x, self.eps)
+
+
+class QKNorm(nn.Module):
+    """Qwen3's RMSNorm of every query head and every key head (one weight each), in one pass
+    over the query and key heads side by side, [T, Hq + Hkv, D]: half the operations of two
+    norms, which matters where each is a kernel launch or a dispatch (CUDA eager steps, small
+    CPU decode steps)."""
+
+    def __init__(self, head_dim: int, num_q_heads: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.q_weight = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device), requires_grad=False)
+        self.k_weight = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device), requires_grad=False)
+        self.num_q_heads = num_q_heads
+        self.eps = eps
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        out = rms_normalize(qk, self.eps)
+        out[:, : self.num_q_heads].mul_(self.q_weight)
+        out[:, self.num_q_heads :].mul_(self.k_weight)
+        return out
 
 
 class RotaryEmbedding(nn.Module):
@@ -43,27 +67,29 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        # sin with its first half negated: rotating half of x then is a plain swap of halves
+        sin = emb.sin()
+        sin[:, : head_dim // 2].neg_()
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin_signed", sin.to(dtype=dtype, device=device), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D] for ``positions`` [T]: looked up once per step, used by every layer."""
+        """cos and signed sin [T, 1, D] for ``positions`` [T]: looked up once per step, used by
+        every layer (``apply_rope``)."""
         return (
             self.cos.index_select(0, positions).unsqueeze(1),
-            self.sin.index_select(0, positions).unsqueeze(1),
+            self.sin_signed.index_select(0, positions).unsqueeze(1),
         )
 
 
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] with tables from ``RotaryEmbedding.lookup``."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, H, D] (query and key heads alike) with tables from ``RotaryEmbedding.lookup``.
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    The reference's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (-x2, x1)``:
+    here ``(x2, x1) * (-sin1, sin2)``, the same products exactly, without the negation.
+    """
+    swapped = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed)
+    return (x * cos).add_(swapped)
 
 
 class GatedMLP(nn.Module):
