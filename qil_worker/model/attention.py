@@ -38,7 +38,7 @@ class AttentionGroup:
     key_slots: torch.Tensor  # [batch, l_max] KV slots to gather (padding points at a valid slot)
     key_lengths: torch.Tensor  # [batch] how many keys each request has (for the debug check)
     mask: torch.Tensor  # [batch, 1, q_max*G, l_max] bool, True = may attend
-    bias: torch.Tensor | None = None  # CPU prefill: the mask as 0 / -inf, made on first use
+    bias: torch.Tensor | None = None  # the mask as 0 / -inf in the attention dtype, made on first use
     # CPU decodes sharing leading pages: those keys' slots, attended once for all rows; then
     # key_slots / mask / key_lengths cover only the keys after them
     prefix_slots: torch.Tensor | None = None
@@ -105,7 +105,9 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
             if on_cpu and qm > 1:  # prefill chunks
                 out = _explicit_attention(q_pad, keys, values, g)
             else:
-                out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=g.mask)
+                # the mask as an additive bias made once per step: SDPA would turn a boolean mask
+                # into one itself, in every layer (two more kernels each on CUDA)
+                out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=_bias(g, q.dtype))
         out = (
             out.view(b, num_kv_heads, qm, groups_per_kv, head_dim)
             .permute(0, 2, 1, 3, 4)
@@ -155,7 +157,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 def _bias(group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
     """The group's mask as 0 / -inf in ``dtype``, made once and shared by all layers."""
     if group.bias is None or group.bias.dtype != dtype:
-        group.bias = torch.zeros(group.mask.shape, dtype=dtype).masked_fill_(~group.mask, float("-inf"))
+        group.bias = torch.zeros(group.mask.shape, dtype=dtype, device=group.mask.device).masked_fill_(
+            ~group.mask, float("-inf")
+        )
     return group.bias
 
 
