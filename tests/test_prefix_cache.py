@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 
 from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
+from varlen_helpers import use_reference_packed_kernel
 from qil_worker import Engine, FinishReason, Qwen3
 from qil_worker.kv import PagePool, PrefixCache, page_hashes
 
@@ -117,12 +118,19 @@ def _check_pool(engine):
     assert all(not r.page_table.pages for r in engine.scheduler.waiting)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "shortest-first"])
-def test_random_sharing_preemption_cancel_and_eviction(model, policy):
+@pytest.mark.parametrize(
+    "policy, attention", [("fcfs", "auto"), ("shortest-first", "auto"), ("fcfs", "varlen-packed")]
+)
+def test_random_sharing_preemption_cancel_and_eviction(model, policy, attention, monkeypatch):
+    """``varlen-packed``: keys gathered back to back through shared and cached pages (with the
+    reference kernel of ``varlen_helpers``: this model is float32, which flash does not take)."""
+    if attention == "varlen-packed":
+        use_reference_packed_kernel(monkeypatch)
     rng = random.Random(99)
     prefixes = [[rng.randrange(97) for _ in range(rng.randint(4, 30))] for _ in range(4)]
     engine = Engine(model, num_pages=24, page_size=4, token_budget=20, prefill_chunk=7, max_active=6, debug=True,
-                    schedule_policy=policy)
+                    schedule_policy=policy, attention=attention)
+    assert attention == "auto" or engine.attention_backend == attention
     reference = Engine(model, num_pages=64, page_size=4, prefix_cache=False)
     expected, submitted, live = {}, {}, set()
     for step in range(500):

@@ -12,9 +12,9 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
+from varlen_helpers import reference_kernel, use_reference_packed_kernel
 from qil_worker import Engine, FinishReason
 from qil_worker.engine.batch import packed_key_slots
 from qil_worker.engine.decode_graphs import decode_metadata, key_buckets
@@ -23,28 +23,10 @@ from qil_worker.model import varlen
 from qil_worker.model.varlen import PACKED, choose_attention
 
 
-def reference_kernel(q, k, v, meta):
-    """What ``varlen_attn`` computes for packed keys, one request at a time."""
-    cu_q, cu_k = meta.cu_seq_q.tolist(), meta.cu_seq_k.tolist()
-    assert k.shape[0] >= cu_k[-1] and q.shape[0] == cu_q[-1]
-    groups = q.shape[1] // k.shape[1]
-    out = []
-    for r in range(len(cu_q) - 1):
-        n_q, n_k = cu_q[r + 1] - cu_q[r], cu_k[r + 1] - cu_k[r]
-        assert n_q <= meta.max_q and n_k <= meta.max_k, "the kernel's maxima must bound every request"
-        queries = q[cu_q[r] : cu_q[r + 1]].transpose(0, 1)
-        keys = k[cu_k[r] : cu_k[r + 1]].repeat_interleave(groups, 1).transpose(0, 1)
-        values = v[cu_k[r] : cu_k[r + 1]].repeat_interleave(groups, 1).transpose(0, 1)
-        mask = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]
-        out.append(F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.to(q.device)).transpose(0, 1))
-    return torch.cat(out)
-
-
 @pytest.fixture
 def packed_anywhere(monkeypatch):
     """The packed path selectable on this device, with the reference kernel."""
-    monkeypatch.setattr(varlen, "packed_kernel", reference_kernel)
-    monkeypatch.setattr(varlen, "probe_varlen", lambda *args, **kwargs: None)
+    use_reference_packed_kernel(monkeypatch)
 
 
 def _prompts(lengths, seed):
