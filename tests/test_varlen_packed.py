@@ -48,7 +48,7 @@ def test_decode_metadata_packs_keys_and_sends_the_tail_to_scratch():
     positions = torch.tensor([5, 2, 0])  # keys 0..5, 0..2, 0..0
     meta = decode_metadata(tables, positions, 4, 8, 2, PACKED, keys=16, scratch_slot=24).varlen
     assert meta.cu_seq_k.tolist() == [0, 6, 9, 10] and meta.cu_seq_q.tolist() == [0, 1, 2, 3]
-    assert meta.block_table is None and meta.max_q == 1 and meta.max_k == 8
+    assert meta.block_table is None and meta.max_q == 1 and meta.max_k == 8 and not meta.causal
     assert meta.key_slots.tolist() == [28, 29, 30, 31, 8, 9] + [16, 17, 18] + [24] + [24] * 6
 
 
@@ -105,7 +105,7 @@ def _fake_varlen_attn(aligned_to_end: bool):
 
     def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False,
              seqused_k=None, block_table=None):
-        assert window_size == (-1, 0) and enable_gqa
+        assert window_size in ((-1, 0), (-1, -1)) and enable_gqa
         if block_table is not None:  # paged: each request's keys through its pages
             page_size = key.shape[1]
             flat_k, flat_v = key.flatten(0, 1), value.flatten(0, 1)
@@ -121,7 +121,7 @@ def _fake_varlen_attn(aligned_to_end: bool):
             keep = [list(range(s, s + n)) for s, n in zip(cu_seq_k[:-1].tolist(), q_lens)]
             key, value = key[sum(keep, [])], value[sum(keep, [])]
             cu_seq_k = cu_seq_q
-        meta = varlen.VarlenMetadata(cu_seq_q, cu_seq_k, None, None, max_q, max_k)
+        meta = varlen.VarlenMetadata(cu_seq_q, cu_seq_k, None, None, max_q, max_k, causal=window_size == (-1, 0))
         return reference_kernel(query, key, value, meta)
 
     return fake
@@ -131,6 +131,7 @@ def _fake_varlen_attn(aligned_to_end: bool):
 def test_startup_probe_accepts_a_kernel_that_agrees_and_refuses_one_that_does_not(monkeypatch, mode):
     cpu = torch.device("cpu")
     monkeypatch.setattr(varlen, "_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=True))
-    assert varlen._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode) is None
+    for q_lens, causal in (((2, 1), True), ((1, 1), False)):
+        assert varlen._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode, q_lens, causal) is None
     monkeypatch.setattr(varlen, "_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=False))
-    assert "differs from SDPA" in varlen._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode)
+    assert "(causal) differs from SDPA" in varlen._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode)

@@ -20,6 +20,8 @@ def reference_kernel(q, k, v, meta):
         keys = k[cu_k[r] : cu_k[r + 1]].repeat_interleave(groups, 1).transpose(0, 1)
         values = v[cu_k[r] : cu_k[r + 1]].repeat_interleave(groups, 1).transpose(0, 1)
         mask = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]
+        if not meta.causal:
+            mask = torch.ones_like(mask)
         out.append(F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.to(q.device)).transpose(0, 1))
     return torch.cat(out)
 

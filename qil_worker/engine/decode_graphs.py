@@ -252,6 +252,7 @@ def decode_metadata(
             max_q=1,
             max_k=context,
             key_slots=torch.where(index < ends[-1], slots, scratch_slot),
+            causal=False,  # one query per row, which sees all its keys
         )
         return AttentionMetadata(slot_mapping, [], varlen=meta, page_size=page_size)
     if varlen == PAGED:
@@ -265,6 +266,7 @@ def decode_metadata(
             block_table=tables.to(torch.int32),
             max_q=1,
             max_k=context,
+            causal=False,  # one query per row, which sees all its keys
         )
         return AttentionMetadata(slot_mapping, [], varlen=meta, page_size=page_size)
     keys = torch.arange(context, device=tables.device)

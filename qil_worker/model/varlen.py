@@ -38,7 +38,6 @@ __all__ = ["ATTENTION_CHOICES", "PACKED", "PAGED", "SDPA", "VarlenMetadata", "ch
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class VarlenMetadata:
     cu_seq_q: torch.Tensor  # [N+1] int32, query offsets of each request in the flat tokens
@@ -50,6 +49,9 @@ class VarlenMetadata:
     # packed: the KV slot of every key, request after request ([>= cu_seq_k[-1]]; any slots
     # after the last request's keys are gathered but not read)
     key_slots: torch.Tensor | None = None
+    # False when every request has one query, which sees all its keys anyway: flash then serves
+    # the query heads of a KV head from one read of its keys (GQA) instead of one per head
+    causal: bool = True
 
 
 def _varlen_attn() -> Callable | None:
@@ -60,10 +62,14 @@ def _varlen_attn() -> Callable | None:
     return varlen_attn
 
 
-def _causal_kwargs(fn: Callable) -> dict:
-    """Causal (aligned to the end of each request's keys) and GQA, in this build's spelling."""
+def _mask_kwargs(fn: Callable, causal: bool) -> dict:
+    """Causal (aligned to the end of each request's keys) or not, and GQA, in this build's
+    spelling."""
     params = inspect.signature(fn).parameters
-    kwargs: dict = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "window_size" in params:
+        kwargs: dict = {"window_size": (-1, 0) if causal else (-1, -1)}
+    else:
+        kwargs = {"is_causal": causal}
     if "enable_gqa" in params:
         kwargs["enable_gqa"] = True
     return kwargs
@@ -72,9 +78,9 @@ def _causal_kwargs(fn: Callable) -> dict:
 def packed_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata
 ) -> torch.Tensor:
-    """Causal varlen attention of ``q`` [T, Hq, D] over packed ``k``/``v`` [K, Hkv, D]."""
+    """Varlen attention of ``q`` [T, Hq, D] over packed ``k``/``v`` [K, Hkv, D]."""
     fn = _varlen_attn()
-    return fn(q, k, v, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k, **_causal_kwargs(fn))
+    return fn(q, k, v, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k, **_mask_kwargs(fn, meta.causal))
 
 
 def varlen_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: VarlenMetadata, page_size: int) -> torch.Tensor:
@@ -96,7 +102,7 @@ def varlen_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: VarlenMetad
         meta.max_k,
         seqused_k=meta.seq_used_k,
         block_table=meta.block_table,
-        **_causal_kwargs(fn),
+        **_mask_kwargs(fn, meta.causal),
     )
     return out.reshape(q.shape[0], -1)
 
@@ -135,7 +141,11 @@ def probe_varlen(
     if mode == PAGED and "block_table" not in inspect.signature(fn).parameters:
         return f"torch {torch.__version__} has no varlen_attn with a block table"
     try:
-        return _check_against_sdpa(device, dtype, page_size, heads, kv_heads, dim, mode)
+        for q_lens, causal in (((2, 1), True), ((1, 1), False)):  # chunks; decode rows as graphs run them
+            why = _check_against_sdpa(device, dtype, page_size, heads, kv_heads, dim, mode, q_lens, causal)
+            if why is not None:
+                return why
+        return None
     except Exception as exc:  # noqa: BLE001 - any failure means: use the portable path
         return f"varlen_attn failed on this build/page size: {type(exc).__name__}: {exc}"
 
@@ -151,10 +161,12 @@ class _Pool:
 
 
 def _check_against_sdpa(
-    device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int, mode: str
+    device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int, mode: str,
+    q_lens: tuple[int, int] = (2, 1), causal: bool = True,
 ) -> str | None:
-    """Two requests, 2 queries over 5 keys and 1 over 2; request 1's pages come first in the pool."""
-    lengths, q_lens = (5, 2), (2, 1)
+    """Two requests with 5 and 2 keys and ``q_lens`` queries (their last positions); request 1's
+    pages come first in the pool."""
+    lengths = (5, 2)
     pages = [-(-n // page_size) for n in lengths]
     first_page = (pages[1], 0)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -172,6 +184,7 @@ def _check_against_sdpa(
         max_q=max(q_lens),
         max_k=max(lengths),
         key_slots=None if mode == PAGED else torch.tensor(slots[0] + slots[1], device=device),
+        causal=causal,
     )
     got = varlen_attention(q, _Pool(k, v), 0, meta, page_size).view(q.shape).float()
     want = []
@@ -184,4 +197,5 @@ def _check_against_sdpa(
         out = F.scaled_dot_product_attention(q[start:end].float().transpose(0, 1), keys, values, attn_mask=mask)
         want.append(out.transpose(0, 1))
     error = (got - torch.cat(want)).abs().max().item()
-    return None if error < 2e-2 else f"{mode} attention differs from SDPA by {error:.3g}"
+    kind = "causal" if causal else "decode"
+    return None if error < 2e-2 else f"{mode} attention ({kind}) differs from SDPA by {error:.3g}"
