@@ -135,6 +135,7 @@ def _varlen_metadata(
         max_q=max(q_lens),
         max_k=max(k_lens),
         key_slots=packed_key_slots(tables, seq_used_k, offsets[1], sum(k_lens), page_size) if packed else None,
+        causal=max(q_lens) > 1,  # decode rows alone see all their keys (see VarlenMetadata.causal)
     )
 
 
