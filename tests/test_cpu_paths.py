@@ -127,14 +127,43 @@ def test_bf16_decodes_take_the_head_major_path_and_match_the_reference(tmp_path,
         assert (torch.cat(got[i]).float() - want).abs().max() < 0.05 * want.abs().max(), i
 
 
-def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tiny_dir, ref, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_attended_in_chunks_equal_the_whole_group(tiny_dir, dtype, monkeypatch):
+    """CPU decode rows are attended a few rows at a time (``CPU_DECODE_CHUNK_BYTES``): float32
+    by SDPA, bf16 by matmuls over head-major keys; one row per chunk gives the same logits."""
+    import qil_worker.model.attention as attention
+    from qil_worker import Qwen3
+    from qil_worker.engine.probe import ForwardProbe
+
+    model = Qwen3.from_directory(tiny_dir, dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (30, 17, 9, 22)]
+    chunks = []
+    row_chunks = attention._row_chunks
+    monkeypatch.setattr(attention, "_row_chunks", lambda *a: chunks.append(len(r := row_chunks(*a))) or r)
+    outs = {}
+    for chunk_bytes in (1 << 40, 1):
+        monkeypatch.setattr(attention, "CPU_DECODE_CHUNK_BYTES", chunk_bytes)
+        probe = ForwardProbe(model, num_pages=64, page_size=4)
+        seqs = [probe.sequence(p) for p in prompts]
+        probe.forward([(s, len(p) - 2) for s, p in zip(seqs, prompts)])
+        outs[chunk_bytes] = torch.cat([torch.cat(probe.forward([(s, 1) for s in seqs])) for _ in range(2)])
+    assert max(chunks) >= 2, "one row per chunk: groups of several decode rows were split"
+    assert torch.equal(outs[1], outs[1 << 40])
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 40, 1])
+def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tiny_dir, ref, monkeypatch, chunk_bytes):
     """With the prefix cache, decode rows share prompt pages; attention reads those keys once
-    for the group (merged by log-sum-exp) and the tokens stay exactly transformers' greedy ones."""
+    for the group (merged by log-sum-exp) and the tokens stay exactly transformers' greedy ones
+    — also when the rows' own keys are attended one row at a time."""
     import random
 
     import qil_worker.model.attention as attention
     from engine_helpers import assert_pool_free, reference_greedy
     from qil_worker import Engine, Qwen3
+
+    monkeypatch.setattr(attention, "CPU_DECODE_CHUNK_BYTES", chunk_bytes)
 
     model = Qwen3.from_directory(tiny_dir, dtype="float32")  # the CPU path, whatever the test device
     rng = random.Random(4)
