@@ -129,7 +129,7 @@ def test_bf16_decodes_take_the_head_major_path_and_match_the_reference(tmp_path,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_rows_attended_in_chunks_equal_the_whole_group(tiny_dir, dtype, monkeypatch):
-    """CPU decode rows are attended a few rows at a time (``CPU_DECODE_CHUNK_BYTES``): float32
+    """CPU decode rows are attended a few rows at a time (``CPU_CHUNK_BYTES``): float32
     by SDPA, bf16 by matmuls over head-major keys; one row per chunk gives the same logits."""
     import qil_worker.model.attention as attention
     from qil_worker import Qwen3
@@ -143,13 +143,42 @@ def test_decode_rows_attended_in_chunks_equal_the_whole_group(tiny_dir, dtype, m
     monkeypatch.setattr(attention, "_row_chunks", lambda *a: chunks.append(len(r := row_chunks(*a))) or r)
     outs = {}
     for chunk_bytes in (1 << 40, 1):
-        monkeypatch.setattr(attention, "CPU_DECODE_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 1 << 40)
         probe = ForwardProbe(model, num_pages=64, page_size=4)
         seqs = [probe.sequence(p) for p in prompts]
         probe.forward([(s, len(p) - 2) for s, p in zip(seqs, prompts)])
+        chunks.clear()
+        monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)  # for the decode steps
         outs[chunk_bytes] = torch.cat([torch.cat(probe.forward([(s, 1) for s in seqs])) for _ in range(2)])
     assert max(chunks) >= 2, "one row per chunk: groups of several decode rows were split"
     assert torch.equal(outs[1], outs[1 << 40])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attended_in_chunks_matches_the_whole_group(tiny_dir, ref, dtype, monkeypatch):
+    """CPU prefill chunks are attended a few requests, or a block of one request's queries, at
+    a time when their scores would be large; one query per block still gives the reference's
+    logits (float32: to matmul rounding, the blocks change how it sums)."""
+    import qil_worker.model.attention as attention
+    from qil_worker import Qwen3
+    from qil_worker.engine.probe import ForwardProbe
+
+    model = Qwen3.from_directory(tiny_dir, dtype=dtype)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (30, 26, 40)]
+    outs = {}
+    for chunk_bytes in (1 << 40, 1):
+        monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)
+        probe = ForwardProbe(model, num_pages=64, page_size=4)
+        seqs = [probe.sequence(p) for p in prompts]
+        first = probe.forward([(s, 12) for s in seqs])  # then chunks that attend over earlier keys
+        outs[chunk_bytes] = torch.cat(first + probe.forward([(s, len(p) - 12) for s, p in zip(seqs, prompts)]))
+    scale = outs[1 << 40].abs().max()
+    assert (outs[1] - outs[1 << 40]).abs().max() <= (1e-5 if dtype == torch.float32 else 1e-2) * scale
+    with torch.no_grad():
+        want = torch.cat([ref(torch.tensor([p])).logits[0, :12] for p in prompts]
+                         + [ref(torch.tensor([p])).logits[0, 12:] for p in prompts]).float()
+    assert (outs[1].float() - want).abs().max() <= (1e-4 if dtype == torch.float32 else 0.05) * want.abs().max()
 
 
 @pytest.mark.parametrize("chunk_bytes", [1 << 40, 1])
@@ -163,7 +192,7 @@ def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tin
     from engine_helpers import assert_pool_free, reference_greedy
     from qil_worker import Engine, Qwen3
 
-    monkeypatch.setattr(attention, "CPU_DECODE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)
 
     model = Qwen3.from_directory(tiny_dir, dtype="float32")  # the CPU path, whatever the test device
     rng = random.Random(4)

@@ -98,7 +98,7 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
             keys = keys.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
             values = values.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
             if on_cpu and qm > 1:  # prefill chunks
-                out = _explicit_attention(q_pad, keys, values, _bias(g, q.dtype))
+                out = _prefill_by_matmuls(q_pad, keys, values, _bias(g, q.dtype))
             else:
                 # the mask as an additive bias made once per step: SDPA would turn a boolean mask
                 # into one itself, in every layer (two more kernels each on CUDA)
@@ -112,9 +112,10 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-# CPU decode rows are attended in chunks of rows whose gathered K and V take about this much:
-# the matmuls then read them while the gather's output is still in the CPU's cache.
-CPU_DECODE_CHUNK_BYTES = 8 << 20
+# CPU attention works in chunks of rows whose big intermediate — decode rows' gathered K and V,
+# prefill rows' scores — takes about this much, so the next operation reads it from the CPU's
+# cache instead of memory (and no temporary is above glibc's 32 MiB mapping threshold).
+CPU_CHUNK_BYTES = 8 << 20
 
 
 def _decode_by_matmuls(
@@ -126,7 +127,7 @@ def _decode_by_matmuls(
 ) -> torch.Tensor:
     """CPU decode rows ``q`` [B, Hkv, G, D] over their keys gathered head-major
     (``_head_major_rows``), merged with the shared-prefix parts when the group has them;
-    rows in chunks of about ``CPU_DECODE_CHUNK_BYTES`` of K and V.
+    rows in chunks of about ``CPU_CHUNK_BYTES`` of K and V.
 
     Gathering all rows first wrote tens of MB that the matmuls then read back from memory
     (16 rows at 1,000 tokens: 65 MB per layer); chunked, they read it from cache. Measured on
@@ -170,9 +171,33 @@ def _decode_by_sdpa(q: torch.Tensor, kv: KVCache, layer: int, group: AttentionGr
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _prefill_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """CPU prefill rows ``q`` [B, Hkv, Q*G, D] over their keys [B, Hkv, L, D]: a few requests
+    at a time, or blocks of one request's queries when its scores alone exceed
+    ``CPU_CHUNK_BYTES``. Measured on whole prefills (0.6B shape, 2 threads, one process): float32
+    a 1,024-token prompt in one chunk 4.39 → 3.86 s, 2,048 tokens in 512-token chunks 9.41 →
+    8.54 s, four 128-token prompts over a cached 512-token prefix 1.68 → 1.63 s; bf16 within
+    noise (0.99-1.04x). Splitting a request's queries changes how float32 matmuls sum (1e-5
+    relative here), not what they compute."""
+    b, kv_heads, rows, _ = q.shape
+    score_row = kv_heads * k.shape[2] * 4  # bytes of one query row's scores, float32 at most
+    if b * rows * score_row <= CPU_CHUNK_BYTES:
+        return _explicit_attention(q, k, v, bias)
+    outs = []
+    for i, j in _row_chunks(b, rows * score_row):
+        keys, values = k[i:j].contiguous(), v[i:j].contiguous()
+        block = max(1, CPU_CHUNK_BYTES // ((j - i) * score_row))
+        parts = [
+            _explicit_attention(q[i:j, :, s : s + block], keys, values, bias[i:j, :, s : s + block])
+            for s in range(0, rows, block)
+        ]
+        outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def _row_chunks(batch: int, bytes_per_row: int) -> list[tuple[int, int]]:
-    """[start, end) row ranges of about ``CPU_DECODE_CHUNK_BYTES`` of gathered K and V each."""
-    step = max(1, CPU_DECODE_CHUNK_BYTES // bytes_per_row)
+    """[start, end) row ranges of about ``CPU_CHUNK_BYTES`` each (at least one row)."""
+    step = max(1, CPU_CHUNK_BYTES // bytes_per_row)
     return [(i, min(batch, i + step)) for i in range(0, batch, step)]
 
 
