@@ -1,0 +1,47 @@
+"""The benchmark scripts run end to end at their --quick sizes (fresh interpreters, tiny model).
+
+They are how speed targets are judged, so a flag combination that crashes them (as
+``--quick --prefix-heavy`` did until its prefix fit the tiny model) should fail here, not on
+the machine that has a GPU for fifteen minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_prefix_heavy_throughput_reports_cold_warm_and_uncached_runs(tmp_path):
+    report = tmp_path / "throughput.json"
+    proc = run_script(
+        "bench_throughput.py", "--quick", "--prefix-heavy", "--systems", "qil", "--dtype", "float32",
+        "--threads", "1", "--model-dir", str(tmp_path / "model"), "--json", str(report),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["system"]: r for r in json.loads(report.read_text())["results"]["float32"]}
+    assert set(rows) == {"qil", "qil-no-cache", "qil-warm"}
+    assert rows["qil-no-cache"]["prefix_hit_rate"] == 0
+    # warm: every measured request finds the prefix; cold: the first one computes it
+    assert rows["qil-warm"]["prefix_hit_rate"] > rows["qil"]["prefix_hit_rate"] > 0
+    assert "prefix cache: TTFT mean" in proc.stdout and "qil-warm" in proc.stdout
+
+
+def test_decode_step_compares_two_attention_backends(tmp_path):
+    proc = run_script(
+        "bench_decode_step.py", "--quick", "--batch", "1", "3", "--steps", "2", "--prompt-len", "5", "40",
+        "--attention", "auto", "sdpa", "--model-dir", str(tmp_path / "model"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(row[0]) for row in lines] == [1, 3]
+    assert "auto ms" in proc.stdout and "sdpa ms" in proc.stdout
