@@ -19,7 +19,6 @@ aligns the causal mask differently is refused too. The engine falls back to gath
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,8 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ATTENTION_CHOICES", "PACKED", "PAGED", "SDPA", "VarlenMetadata", "choose_attention", "probe_varlen",
            "varlen_attention"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
