@@ -83,7 +83,6 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
             .reshape(b, num_kv_heads, qm * groups_per_kv, head_dim)
         )
         prefix = _prefix_partial(q_pad, kv, layer, g.prefix_slots) if g.prefix_slots is not None else None
-        l_max = g.key_slots.shape[1]
         on_cpu = q.device.type == "cpu"
         if on_cpu and qm == 1 and (prefix is not None or q.dtype != torch.float32):
             # decode rows attended by matmuls (SDPA's CPU kernel is slow for them in bf16/fp16)
@@ -91,12 +90,7 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
         elif on_cpu and qm == 1:  # float32 decode rows: SDPA measured ahead of matmuls there
             out = _decode_by_sdpa(q_pad, kv, layer, g)
         else:  # no shared prefix here: groups get one only on CPU, and only decode groups
-            if g.key_pages is not None:
-                keys, values = kv.gather_pages(layer, g.key_pages.reshape(-1))
-            else:
-                keys, values = kv.gather(layer, g.key_slots.view(-1))
-            keys = keys.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
-            values = values.view(b, l_max, num_kv_heads, head_dim).transpose(1, 2)
+            keys, values = _gather_keys(kv, layer, g, 0, b)
             if on_cpu and qm > 1:  # prefill chunks
                 out = _prefill_by_matmuls(q_pad, keys, values, _bias(g, q.dtype))
             else:
@@ -161,14 +155,20 @@ def _decode_by_sdpa(q: torch.Tensor, kv: KVCache, layer: int, group: AttentionGr
     bias = _bias(group, q.dtype)
     outs = []
     for i, j in _row_chunks(b, 2 * l_max * kv_heads * dim * kv.k.element_size()):
-        if group.key_pages is not None:
-            keys, values = kv.gather_pages(layer, group.key_pages[i:j].reshape(-1))
-        else:  # the padded decode path of decode_graphs has slots only
-            keys, values = kv.gather(layer, group.key_slots[i:j].reshape(-1))
-        keys = keys.view(j - i, l_max, kv_heads, dim).transpose(1, 2)
-        values = values.view(j - i, l_max, kv_heads, dim).transpose(1, 2)
+        keys, values = _gather_keys(kv, layer, group, i, j)
         outs.append(F.scaled_dot_product_attention(q[i:j], keys, values, attn_mask=bias[i:j]))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _gather_keys(kv: KVCache, layer: int, group: AttentionGroup, i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the group's rows ``i..j-1``, viewed [rows, Hkv, l_max, D]: whole pages on CPU,
+    slots elsewhere (and on the padded decode path of ``decode_graphs``, which has slots only)."""
+    if group.key_pages is not None:
+        keys, values = kv.gather_pages(layer, group.key_pages[i:j].reshape(-1))
+    else:
+        keys, values = kv.gather(layer, group.key_slots[i:j].reshape(-1))
+    shape = (j - i, group.key_slots.shape[1], *kv.k.shape[2:])
+    return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
 
 
 def _prefill_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
