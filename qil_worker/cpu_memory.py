@@ -1,4 +1,5 @@
-"""CPU memory habits for memory-bound inference (Linux): huge pages and no page-fault churn.
+"""CPU memory habits for memory-bound inference (Linux): huge pages, no page-fault churn, and
+bounded kernel caches.
 
 **Huge pages.** A CPU decode step streams every weight once (2.4 GB for Qwen3-0.6B in float32), so its speed is
 memory bandwidth. With 4 KiB pages the hardware prefetchers stop at every page boundary and the
@@ -13,6 +14,13 @@ MLP activations). glibc serves large ones with fresh mappings and returns freed 
 system, so every step pays page faults again — measured at 2x the decode step time at 16
 requests of ~770 tokens. ``keep_freed_memory`` tells glibc to serve them from its heap and keep
 what is freed: the process holds its peak working set instead of faulting it in every step.
+
+**Bounded kernel caches.** oneDNN (the packed linears, bf16 matmuls) compiles a kernel for every
+new input shape and keeps it in an LRU cache, and torch's ideep layer keeps another; each holds
+1,024 entries by default, at up to ~0.5 MB an entry. A serving engine sees a new shape almost
+every step (the number of tokens in a step, the key lengths of attention), so a worker's memory
+grew by 1.0-1.6 GB over minutes of serving before those caches filled — indistinguishable from
+a leak. ``bound_kernel_caches`` caps both (read once, at a process's first oneDNN call).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import os
 import sys
 
 import torch
@@ -61,6 +70,22 @@ def keep_freed_memory() -> bool:
             (_M_TOP_PAD, _TOP_PAD),
         )
     )
+
+
+# Entries per cache. Decode steps repeat a few shapes (the running batch size) and stay cached;
+# prefill steps bring new shapes whatever the size. Measured (0.6B shape, bf16, a serving-like
+# mix with preemption, 100 s): malloc in use +196 MB at 256 against +360 MB and still growing at
+# the default 1,024, throughput within noise.
+KERNEL_CACHE_CAPACITY = 256
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
+    """Cap oneDNN's and ideep's kernel caches at ``capacity`` entries each, unless the
+    environment already sets them. Takes effect only before the process's first oneDNN call
+    (both are read then, once): ``Qwen3`` calls it when built on CPU, before packing weights."""
+    for name in KERNEL_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(capacity))
 
 
 @functools.lru_cache(maxsize=1)

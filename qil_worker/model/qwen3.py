@@ -98,6 +98,8 @@ class Qwen3(nn.Module):
         super().__init__()
         self.config = config
         device = torch.device(device)
+        if device.type == "cpu":
+            cpu_memory.bound_kernel_caches()  # before packing: the first oneDNN call fixes them
         self.embed = nn.Parameter(
             cpu_memory.empty((config.vocab_size, config.hidden_size), dtype, device), requires_grad=False
         )
