@@ -19,7 +19,7 @@ what is freed: the process holds its peak working set instead of faulting it in 
 new input shape and keeps it in an LRU cache, and torch's ideep layer keeps another; each holds
 1,024 entries by default, at up to ~0.5 MB an entry. A serving engine sees a new shape almost
 every step (the number of tokens in a step, the key lengths of attention), so a worker's memory
-grew by 1.0-1.6 GB over minutes of serving before those caches filled — indistinguishable from
+grew by ~1.1 GB over minutes of serving before those caches filled — indistinguishable from
 a leak. ``bound_kernel_caches`` caps both (read once, at a process's first oneDNN call).
 """
 

@@ -1,7 +1,7 @@
 """oneDNN's and ideep's per-shape kernel caches are capped in a process that builds a model on CPU.
 
 Uncapped, each new input shape (the token count of a step) keeps a compiled kernel of ~0.5 MB
-for the first 1,024 shapes: a serving worker grew by 1.0-1.6 GB, which looks like a leak.
+for the first 1,024 shapes: a serving worker grew by ~1.1 GB, which looks like a leak.
 """
 
 from __future__ import annotations
