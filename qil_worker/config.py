@@ -8,7 +8,7 @@ with an error that names the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +100,8 @@ class Qwen3Config:
 
     @classmethod
     def from_directory(cls, path: str | Path) -> "Qwen3Config":
-        """Read ``config.json`` from a model directory."""
+        """Read ``config.json`` from a model directory, with the EOS ids of its
+        ``generation_config.json`` added (see ``_generation_eos_ids``)."""
         config_path = Path(path) / "config.json"
         try:
             raw = json.loads(config_path.read_text())
@@ -110,7 +111,9 @@ class Qwen3Config:
             raise ConfigError(f"{config_path}: not valid JSON ({exc})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{config_path}: expected a JSON object")
-        return cls.from_dict(raw)
+        config = cls.from_dict(raw)
+        extra = [i for i in _generation_eos_ids(Path(path)) if i not in config.eos_token_ids]
+        return replace(config, eos_token_ids=config.eos_token_ids + tuple(extra))
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
@@ -131,10 +134,27 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     return float(raw.get("rope_theta", 1_000_000.0))
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def _eos_ids(value: Any, source: str = "eos_token_id") -> tuple[int, ...]:
     if value is None:
         return ()
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise ConfigError(f"eos_token_id: expected an int or a list of ints, got {value!r}")
+        raise ConfigError(f"{source}: expected an int or a list of ints, got {value!r}")
     return tuple(values)
+
+
+def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """``eos_token_id`` of ``generation_config.json`` (none if the file is absent).
+
+    transformers' ``generate`` stops at these, and Qwen3 checkpoints list more there than in
+    ``config.json`` (the instruct models: ``<|im_end|>`` in both, ``<|endoftext|>`` only here)."""
+    path = model_dir / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return ()
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return _eos_ids(raw.get("eos_token_id"), f"{path.name}: eos_token_id")

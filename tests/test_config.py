@@ -51,3 +51,20 @@ def test_missing_or_broken_config_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         Qwen3Config.from_directory(tmp_path)
+
+
+def test_eos_ids_of_generation_config_are_added(tiny_dir, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**_raw(tiny_dir), "eos_token_id": 90}))
+    generation = tmp_path / "generation_config.json"
+    generation.write_text(json.dumps({"eos_token_id": [90, 44]}))
+    assert Qwen3Config.from_directory(tmp_path).eos_token_ids == (90, 44)
+    generation.write_text(json.dumps({"eos_token_id": 7, "temperature": 0.6}))
+    assert Qwen3Config.from_directory(tmp_path).eos_token_ids == (90, 7)
+    generation.write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id"):
+        Qwen3Config.from_directory(tmp_path)
+    generation.write_text("{not json")
+    with pytest.raises(ConfigError, match="generation_config.json: not valid JSON"):
+        Qwen3Config.from_directory(tmp_path)
+    generation.unlink()
+    assert Qwen3Config.from_directory(tmp_path).eos_token_ids == (90,)

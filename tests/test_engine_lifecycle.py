@@ -171,9 +171,13 @@ def test_random_mix_of_everything_keeps_the_pool_consistent(model):
 def test_close_cancels_and_refuses_more(model):
     engine = Engine(model, num_pages=16, page_size=4)
     rid = engine.submit([1, 2], max_new_tokens=5)
+    cancelled = engine.submit([3, 4], max_new_tokens=5)
+    engine.step()
+    engine.cancel(cancelled)  # its final event waits for a step that will not come
     engine.close()
     assert engine.result(rid).finish_reason is FinishReason.CANCELLED
     assert engine.pool.num_free == 16
+    assert engine.idle, "a closed engine has nothing left to step"
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit([1], max_new_tokens=1)
 
@@ -183,3 +187,16 @@ def test_engine_arguments_are_checked(model):
         Engine(model, num_pages=0)
     with pytest.raises(ValueError, match="token_budget"):
         Engine(model, token_budget=-1)
+
+
+def test_generate_is_all_or_nothing(model, ref):
+    engine = Engine(model, num_pages=16, page_size=4)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate([[1, 2], [3, 500]], max_new_tokens=3)
+    assert info.value.field == "token_ids"
+    assert engine.idle and engine.stats().num_waiting == 0
+    with pytest.raises(UnknownRequestError):
+        engine.result("req-0")  # the valid prompt before the refused one was withdrawn
+    assert_pool_free(engine)
+    (result,) = engine.generate([[1, 2]], max_new_tokens=3)
+    assert result.output_token_ids == reference_greedy(ref, [1, 2], 3)

@@ -1,11 +1,14 @@
 """Sampling through the engine: seeds independent of the batch, logprobs from real logits."""
 
+import json
+import math
 import random
+import shutil
 
 import pytest
 import torch
 
-from checkpoints import load_reference
+from checkpoints import load_reference, make_checkpoint
 from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
 from qil_worker import Engine, FinishReason, InvalidRequestError, Qwen3
 
@@ -91,3 +94,62 @@ def test_sampling_values_rejected_at_submit(model):
         engine.submit([1], tempreature=0.5)
     assert info.value.field == "tempreature"
     assert engine.idle
+
+
+def test_extreme_temperatures_and_penalties_are_greedy_or_refused(model):
+    """float32 sampling: a temperature under 1e-5 is greedy (1e-40 once drew NaN rows and the
+    last token id), and values past the documented bounds are refused, naming the field."""
+    engine = Engine(model, num_pages=32, page_size=8)
+    prompt = [3, 1, 4, 1, 5]
+    greedy = engine.generate([prompt], max_new_tokens=6, logprobs=True)[0]
+    for temperature in (1e-40, 5e-6):
+        rid = engine.submit(prompt, max_new_tokens=6, temperature=temperature, seed=1, logprobs=True)
+        events = run_to_completion(engine)
+        assert engine.result(rid).output_token_ids == greedy.output_token_ids
+        assert all(math.isfinite(e.logprob) for e in events)
+    # the hottest allowed temperature with a masked stop id still never draws it early
+    stop = greedy.output_token_ids[0]
+    (hot,) = engine.generate(
+        [prompt], max_new_tokens=8, temperature=100.0, seed=3, min_new_tokens=8, stop_token_ids=[stop]
+    )
+    assert len(hot.output_token_ids) == 8 and stop not in hot.output_token_ids[:7]
+    for field, value in (
+        ("temperature", 100.5), ("temperature", 1e39),
+        ("repetition_penalty", 1e-300), ("repetition_penalty", 0.005), ("repetition_penalty", 101.0),
+    ):
+        with pytest.raises(InvalidRequestError) as info:
+            engine.submit([1], **{field: value})
+        assert info.value.field == field
+    assert engine.idle
+    assert_pool_free(engine)
+
+
+def test_top_logprobs_beyond_a_small_vocabulary_give_all_tokens(tmp_path):
+    small = Qwen3.from_directory(make_checkpoint(tmp_path / "v10", vocab_size=10), dtype="float32")
+    engine = Engine(small, num_pages=16, page_size=4)
+    want = engine.submit([1, 2, 3], max_new_tokens=3, logprobs=True, top_logprobs=20)
+    plain = engine.submit([4, 5], max_new_tokens=3)
+    events = run_to_completion(engine)
+    assert engine.result(plain).finish_reason is FinishReason.LENGTH
+    mine = [e for e in events if e.request_id == want]
+    assert engine.result(want).finish_reason is FinishReason.LENGTH and len(mine) == 3
+    assert all(len(e.top_logprobs) == 10 for e in mine)
+
+
+def test_eos_ids_of_generation_config_stop_as_in_transformers(tiny_dir, tmp_path, device):
+    """Qwen3's instruct checkpoints list <|endoftext|> as EOS only in generation_config.json."""
+    ref = load_reference(tiny_dir)
+    prompt = [3, 1, 4, 1, 5]
+    full = reference_greedy(ref, prompt, 10)
+    j = next(i for i in range(1, 10) if full[i] not in full[:i])
+    model_dir = tmp_path / "gen-eos"
+    shutil.copytree(tiny_dir, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [96, full[j]]}))
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        hf = load_reference(model_dir).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False
+        )[0, len(prompt):].tolist()
+    engine = Engine(Qwen3.from_directory(model_dir, device=device, dtype="float32"), num_pages=32, page_size=8)
+    (ours,) = engine.generate([prompt], max_new_tokens=10)
+    assert ours.output_token_ids == hf == full[: j + 1] and ours.finish_reason is FinishReason.STOP

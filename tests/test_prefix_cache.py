@@ -1,6 +1,8 @@
 """Prefix caching: shared prompt pages, identical outputs, no corruption or leak under churn."""
 
+import hashlib
 import random
+from array import array
 from collections import Counter
 
 import pytest
@@ -22,6 +24,18 @@ def test_hashes_chain_the_whole_prefix():
     assert len(a) == 3 and len(b) == 3
     assert a[1] != b[1] and a[2] != b[2], "same page tokens after a different prefix must differ"
     assert page_hashes([1, 2, 3, 4], 2) == a[:2]
+
+
+def test_page_names_are_chained_cryptographic_digests():
+    """128-bit BLAKE2b over (parent name, page tokens): two prefixes that share a name cannot
+    be computed, so a hit that checks a page's own tokens cannot hand out KV of another prefix
+    (with Python's 64-bit ``hash`` such pairs could be computed offline)."""
+    def name(parent: bytes, tokens: list[int]) -> bytes:
+        return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+    first = name(bytes(16), [1, 2])
+    second = name(first, [3, 4])
+    assert page_hashes([1, 2, 3, 4, 5], 2) == [int.from_bytes(d, "little") for d in (first, second)]
 
 
 def test_cache_hits_collisions_and_lru_eviction():

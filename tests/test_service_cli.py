@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,6 +90,20 @@ def test_serve_with_a_bad_model_directory_fails_fast(tmp_path):
     )
     assert out.returncode != 0
     assert "config.json" in out.stderr
+
+
+def test_serve_on_a_port_in_use_fails_with_one_clear_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        out = subprocess.run(
+            [sys.executable, "-m", "qil_worker", "serve", "--port", str(taken.getsockname()[1]),
+             "--model", str(tmp_path)],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )
+    assert out.returncode == 2, out.stderr
+    assert "cannot start the server: cannot bind 127.0.0.1:" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def _weights_only(src: Path, dst: Path) -> Path:

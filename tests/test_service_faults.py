@@ -319,13 +319,17 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_streaming(model_
         srv.stop()
 
 
-def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model_dir, tmp_path):
+@pytest.mark.parametrize("to", ["front", "process group"])
+def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model_dir, tmp_path, to):
+    """SIGTERM to the front, or to the whole process group (systemd's stop, ``kill -TERM
+    -PGID``): the worker must not die of it before the front drains."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", QIL_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("QIL_AUTH_TOKEN", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--threads", "1",
          "--model", str(model_dir), "--grace-seconds", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        start_new_session=True,
     )
     err: list[str] = []
     threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
@@ -340,7 +344,10 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model_dir, tmp_path
             streams = [c.stream([i + 1, 2, 3], max_new_tokens=300, ignore_eos=True) for i in range(3)]
             for s in streams:
                 assert next(s).token_ids
-            proc.send_signal(signal.SIGTERM)
+            if to == "front":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGTERM)
             wait_until(lambda: c.health() == "NOT_SERVING", timeout=5)
             with pytest.raises(Unavailable):
                 c.submit([1, 2], max_new_tokens=2)

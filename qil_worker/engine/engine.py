@@ -357,8 +357,16 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         **sampling_fields: object,
     ) -> list[Result]:
-        """Run a batch of prompts to completion and return their results in order."""
-        ids = [self.submit(p, max_new_tokens, stop_token_ids, **sampling_fields) for p in prompts]
+        """Run a batch of prompts to completion and return their results in order.
+
+        All or nothing: when a prompt is refused, the ones before it are withdrawn."""
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                ids.append(self.submit(prompt, max_new_tokens, stop_token_ids, **sampling_fields))
+        except Exception:
+            self._withdraw(ids)
+            raise
         while not all(self._requests[i].finished for i in ids):
             self.step()
         results = [self.result(i) for i in ids]
@@ -366,13 +374,20 @@ class Engine:
             self.release(i)
         return results
 
+    def _withdraw(self, request_ids: list[str]) -> None:
+        """Forget requests that were submitted but not yet stepped, as if never submitted."""
+        for request_id in request_ids:
+            self._finish(self._requests[request_id], FinishReason.CANCELLED)
+            del self._requests[request_id]
+
     def close(self) -> None:
-        """Cancel what is active and drop the KV tensors."""
+        """Cancel what is active and drop the KV tensors; events not yet handed out are dropped."""
         if self._closed:
             return
         for request in list(self._requests.values()):
             if not request.finished:
                 self._finish(request, FinishReason.CANCELLED)
+        self._pending.clear()
         self._closed = True
         self.decode_graphs = None  # graphs hold the KV tensors' addresses
         self.kv.k = self.kv.v = torch.empty(0)

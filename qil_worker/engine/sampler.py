@@ -47,7 +47,7 @@ class Sampler:
         logits = mask_stops_before_min_tokens(logits, requests)
         greedy = all(p.greedy for p in params)
         if not greedy:
-            temps = to_device([p.temperature or 1.0 for p in params], logits.device)
+            temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
             logits = logits / temps[:, None]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -67,7 +67,7 @@ class Sampler:
 
         if logprobs is None:
             return SampleOutput(tokens.tolist(), [None] * len(requests), [None] * len(requests))
-        n_top = max(p.top_logprobs for p in params)
+        n_top = min(max(p.top_logprobs for p in params), logits.shape[1])
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         top_values, top_ids = logprobs.topk(n_top, dim=-1) if n_top else (None, None)
         tokens_l, chosen_l = tokens.tolist(), chosen.tolist()

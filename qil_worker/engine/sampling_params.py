@@ -8,17 +8,25 @@ from dataclasses import dataclass, fields
 from qil_worker.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+# The sampler works in float32. A temperature under GREEDY_BELOW would divide logits out of the
+# range where softmax means anything (1e-40 already gave NaN rows and the last token id), so
+# it is greedy decoding, its limit. Temperatures and repetition penalties past these bounds
+# are refused: no use of them differs from the bound itself, and extremes overflow float32.
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen. The defaults give plain greedy decoding.
 
-    temperature: 0 means greedy (argmax, no noise); otherwise logits are divided by it.
+    temperature: 0 (or anything under 1e-5) means greedy (argmax, no noise); otherwise logits
+    are divided by it; at most 100.
     top_k: keep the k most likely tokens (0 or -1: off). top_p: keep the smallest set whose
     probability reaches p (1: off). min_p: drop tokens below min_p × the top token's probability.
     repetition_penalty: divide positive / multiply negative logits of tokens already in the
-    prompt or output (1: off). presence_penalty / frequency_penalty: subtract a constant / a
+    prompt or output (1: off; 0.01 to 100). presence_penalty / frequency_penalty: subtract a constant / a
     per-occurrence amount from logits of tokens already generated (0: off).
     seed: makes sampling reproducible whatever else is in the batch (None: a random seed).
     min_new_tokens: EOS and stop ids are masked until this many tokens exist.
@@ -49,7 +57,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -63,11 +71,11 @@ class SamplingParams:
 
     def validate(self, max_new_tokens: int) -> None:
         """Raise ``InvalidRequestError`` naming the first out-of-range field."""
-        _number("temperature", self.temperature, low=0.0)
+        _number("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
         _integer("top_k", self.top_k, low=-1)
         _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _number("min_p", self.min_p, low=0.0, high=1.0)
-        _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:

@@ -1,8 +1,11 @@
 """Sharing full pages of prompt tokens between requests.
 
-Page ``i`` of a prompt is named by a chained hash: hash(name of page ``i-1``, its tokens), so
-one name stands for the whole prefix up to that page. A hit is confirmed by comparing the
-stored tokens (a hash collision cannot hand out wrong KV). Only full pages of the prompt are
+Page ``i`` of a prompt is named by a chained digest: BLAKE2b(name of page ``i-1``, its tokens),
+so one name stands for the whole prefix up to that page. The digest is cryptographic (128 bits):
+two different prefixes with one name cannot be found, not even deliberately by a client that
+wants another request's KV — with Python's ``hash`` they could be computed offline, and a hit
+that compared only the page's own tokens would then hand out KV computed under another prefix.
+A hit still compares the stored tokens. Only full pages of the prompt are
 shared, never the last partial one, so shared pages are never written again. Pages nobody
 holds stay indexed (idle in the pool) until the pool evicts them, least recently used first.
 
@@ -16,18 +19,23 @@ commit, once their step has run.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 
 from qil_worker.kv.page_pool import PagePool
 
+DIGEST_BYTES = 16
+
 
 def page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """Chained hashes of every full page of ``token_ids``."""
+    """Chained digests of every full page of ``token_ids``, as ints (see the module docstring)."""
     hashes: list[int] = []
-    parent = 0
+    parent = bytes(DIGEST_BYTES)
     for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = hash((parent, tuple(token_ids[start : start + page_size])))
-        hashes.append(parent)
+        tokens = array("q", token_ids[start : start + page_size]).tobytes()
+        parent = hashlib.blake2b(parent + tokens, digest_size=DIGEST_BYTES).digest()
+        hashes.append(int.from_bytes(parent, "little"))
     return hashes
 
 

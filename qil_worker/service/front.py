@@ -432,8 +432,11 @@ class Front:
     ) -> None:
         for rid, err, num_prompt_tokens in acks:
             req = self.requests.get(rid)
-            if err is None and req is not None:
-                req.prompt_len = num_prompt_tokens  # known once the worker encoded the prompt
+            if req is not None and req.final is None:
+                if err is None:
+                    req.prompt_len = num_prompt_tokens  # known once the worker encoded the prompt
+                else:  # here, not in ``submit``: its caller may be gone already
+                    self._reject(req, err)
             fut = self._acks.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result((err, num_prompt_tokens))
@@ -459,12 +462,25 @@ class Front:
             if fut is not None and not fut.done():
                 fut.set_result(self.stats)
 
-    def _finished(self, req: Req) -> None:
-        self._report_finished(req)
+    def _reject(self, req: Req, err: tuple) -> None:
+        """The worker refused a submit: forget the request (its id is free again), end it for
+        whoever subscribed or waits to cancel it meanwhile, and count it out."""
+        del self.requests[req.rid]
+        req.final = (ERROR_CODE, err[2], None)
+        self._count_out()
+        for listener in list(req.listeners):
+            listener.wake(req)
+
+    def _count_out(self) -> None:
+        """One request fewer is unfinished."""
         self.num_unfinished -= 1
         if self.num_unfinished <= 0:
             self.num_unfinished = 0
             self._idle.set()
+
+    def _finished(self, req: Req) -> None:
+        self._report_finished(req)
+        self._count_out()
         now = time.monotonic()
         self._forget_retained(req.rid)
         size = retained_size(req)
@@ -578,15 +594,7 @@ class Front:
                 del self.requests[rid]
                 self._forget_retained(rid)
             raise
-        if err is not None:
-            if self.requests.get(rid) is req:
-                del self.requests[rid]
-            if req.final is None:
-                req.final = (ERROR_CODE, err[2], None)
-                self.num_unfinished -= 1
-                if self.num_unfinished <= 0:
-                    self.num_unfinished = 0
-                    self._idle.set()
+        if err is not None:  # ``_on_batch`` has forgotten the request
             raise from_worker_rejection(*err)
         req.prompt_len = num_prompt_tokens
         self.num_requests_total += 1

@@ -95,6 +95,10 @@ def build_event(req: Req, cursor: int) -> tuple[pb.Event | None, int, bool]:
     return ev, n, final is not None
 
 
+def _past_the_end(req: Req, from_seq: int) -> ServiceError:
+    return invalid("from_seq", f"{from_seq} is past the end ({len(req.tokens)})")
+
+
 async def _reject_undecodable(request: object, context: grpc.aio.ServicerContext) -> None:
     if isinstance(request, Undecodable):
         await invalid("request", request.describe()).abort(context)
@@ -184,6 +188,11 @@ class _Session:
         req.listeners.add(self)
         self.dirty[req] = None
 
+    def _drop_sub(self, req: Req) -> None:
+        del self.subs[req]
+        self.owned.discard(req)
+        req.listeners.discard(self)
+
     def _live_owned(self) -> list[str]:
         """Ids of the unfinished requests this session submitted (safe to cancel by id)."""
         return sorted(r.rid for r in self.owned if r.final is None)
@@ -222,8 +231,8 @@ class _Session:
             try:
                 req = await _submit(front, s)
             except ServiceError as err:
-                if err.code == grpc.StatusCode.UNAVAILABLE:
-                    self.fault = err
+                # in-band only, even UNAVAILABLE: a drain refuses new work but lets the session's
+                # requests finish, and a dead worker reached their subscribers (worker_lost)
                 return self._error(s.request_id, err), None
             self.owned.add(req)
             resp = pb.StreamEventsResponse(
@@ -242,8 +251,7 @@ class _Session:
             if req is None:
                 return self._error(sub.request_id, not_found(sub.request_id)), None
             if req.final is not None and sub.from_seq > len(req.tokens):
-                err = invalid("from_seq", f"{sub.from_seq} is past the end ({len(req.tokens)})")
-                return self._error(sub.request_id, err), None
+                return self._error(sub.request_id, _past_the_end(req, sub.from_seq)), None
             return None, (lambda: self._add_sub(req, sub.from_seq))
         err = invalid("frame", "empty StreamEventsRequest: set submit, cancel or subscribe")
         return self._error("", err), None
@@ -280,15 +288,18 @@ class _Session:
                 cursor = self.subs.get(req)
                 if cursor is None:
                     continue
-                if req.lost:
-                    await unavailable("worker process died").abort(context)
-                if cursor > len(req.tokens) and req.final is None:
-                    continue  # subscribed ahead of the output; wait for more
+                # (a request lost with the worker while subscribed faulted the session above;
+                # subscribed later, it gets its tokens and the final ERROR event, like any end)
+                if cursor > len(req.tokens):
+                    if req.final is None:
+                        continue  # subscribed ahead of the output; wait for more
+                    # it ended before reaching the cursor: as a subscription after its end
+                    self._drop_sub(req)
+                    yield self._error(req.rid, _past_the_end(req, cursor))
+                    continue
                 ev, self.subs[req], done = build_event(req, cursor)
                 if done:
-                    del self.subs[req]
-                    self.owned.discard(req)
-                    req.listeners.discard(self)
+                    self._drop_sub(req)
                 if ev is not None:
                     self.writing_since = time.monotonic()
                     yield pb.StreamEventsResponse(event=ev)
@@ -428,6 +439,18 @@ class ServeConfig:
     metrics_host: str | None = None  # default: host
 
 
+def _bind(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials | None) -> int:
+    """Add the listening port; OSError when it cannot be bound (older grpcio returns 0, newer
+    raises RuntimeError)."""
+    try:
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind {address}: {exc}") from None
+    if not port:
+        raise OSError(f"cannot bind {address}")
+    return port
+
+
 class Server:
     """A started server: the grpc.aio server, the front and its worker, health."""
 
@@ -457,6 +480,7 @@ class Server:
             (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
         )
         address = f"{cfg.host}:{cfg.port}"
+        creds = None
         if cfg.tls_cert or cfg.tls_key:
             if not (cfg.tls_cert and cfg.tls_key):
                 raise ValueError("--tls-cert and --tls-key go together")
@@ -471,11 +495,12 @@ class Server:
             creds = grpc.ssl_server_credentials(
                 [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
             )
-            self.port = server.add_secure_port(address, creds)
-        else:
-            self.port = server.add_insecure_port(address)
-        if not self.port:
-            raise OSError(f"cannot bind {address}")
+        try:
+            self.port = _bind(server, address, creds)
+        except OSError:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
         await server.start()
         self._grpc = server
         log.info("qil listening on %s:%d (loading the model)", cfg.host, self.port)

@@ -44,10 +44,12 @@ FAULT_FORWARD_ENV = "QIL_TEST_FAULT_FORWARD"
 
 def worker_main(conn: Any, config: dict[str, Any]) -> None:
     """Process entry point. ``config``: model, device, dtype, threads, engine kwargs, demo flag."""
-    # The front owns signals: Ctrl-C in a terminal reaches the whole process group, and the
-    # front decides when (after the grace period) the worker stops.
+    # The front owns signals: Ctrl-C in a terminal, systemd's stop and ``kill -TERM -PGID`` reach
+    # the whole process group, and the front decides when (after the grace period) the worker
+    # stops: it sends STOP, and kills a worker that does not. A worker whose front is gone exits
+    # on its own (EOF on the pipe, or the parent check while idle).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from qil_worker.service import logs
 
     logs.setup(config.get("log_level", "INFO"), config.get("log_format", "text"))
