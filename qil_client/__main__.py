@@ -111,8 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _print_events(events, as_json: bool, ids: bool = False) -> int:
-    builder = ResultBuilder()
+def _print_events(events, as_json: bool, ids: bool = False, from_seq: int = 0) -> int:
+    builder = ResultBuilder(start_seq=from_seq)
     for ev in events:
         builder.add(ev)
         if as_json:
@@ -143,7 +143,11 @@ def _print_events(events, as_json: bool, ids: bool = False) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     tls = TLS(root_certificates=args.tls_ca) if args.tls_ca else (True if args.tls else None)
-    client = Client(args.target, token=args.token, tls=tls)
+    try:
+        client = Client(args.target, token=args.token, tls=tls)
+    except (ValueError, OSError) as err:  # --target not HOST:PORT or unresolved; --tls-ca unreadable
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         if args.wait_ready and args.command != "health":
             client.wait_ready(args.wait_ready)
@@ -163,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{rid}\t{'cancelled' if active else 'not active'}")
             return 0
         if args.command == "events":
-            return _print_events(client.events(args.request_id, args.from_seq, timeout=args.timeout), False)
+            events = client.events(args.request_id, args.from_seq, timeout=args.timeout)
+            return _print_events(events, False, from_seq=args.from_seq)
         if args.command == "info":
             from google.protobuf.json_format import MessageToDict
 

@@ -31,8 +31,20 @@ def _pem(value: bytes | str | None) -> bytes | None:
     return Path(value).read_bytes()
 
 
+def _host_port(entry: str) -> tuple[str, str]:
+    """``HOST:PORT`` or ``[IPv6]:PORT`` → (host, port); a ValueError naming the entry otherwise."""
+    host, sep, port = entry.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not (sep and host and "[" not in host and "]" not in host
+            and port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise ValueError(f"bad target {entry!r}: expected HOST:PORT")
+    return host, port
+
+
 def resolve_target(target: str | Sequence[str]) -> tuple[str, bool]:
-    """→ (grpc target, use round_robin). A list of HOST:PORT becomes one ipv4:/ipv6: target."""
+    """→ (grpc target, use round_robin). A list of HOST:PORT becomes one ipv4:/ipv6: target, its
+    names resolved now: a ValueError names an entry that is not HOST:PORT or does not resolve."""
     if isinstance(target, str):
         if "," in target and "://" not in target and not target.startswith(("ipv4:", "ipv6:")):
             return resolve_target([t.strip() for t in target.split(",") if t.strip()])
@@ -44,12 +56,15 @@ def resolve_target(target: str | Sequence[str]) -> tuple[str, bool]:
         return targets[0], False
     v4, v6 = [], []
     for t in targets:
-        host, _, port = t.rpartition(":")
-        host = host.strip("[]")
+        host, port = _host_port(t)
         try:
             addrs = [ipaddress.ip_address(host)]
         except ValueError:
-            addrs = [ipaddress.ip_address(info[4][0]) for info in socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)][:1]
+            try:
+                infos = socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)
+            except OSError as err:
+                raise ValueError(f"cannot resolve target {t!r}: {err}") from None
+            addrs = [ipaddress.ip_address(info[4][0]) for info in infos][:1]
         for a in addrs:
             (v4 if a.version == 4 else v6).append(f"{a}:{port}" if a.version == 4 else f"[{a}]:{port}")
     if v4 and v6:

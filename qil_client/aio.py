@@ -17,7 +17,7 @@ _HALF_CLOSE = object()
 
 
 class AsyncSession:
-    """A StreamEvents call (see ``qil_client.client.Session``)."""
+    """A StreamEvents call (see ``qil_client.client.Session``); leaving ``async with`` aborts."""
 
     def __init__(self, stub: pb_grpc.InferenceStub, metadata, timeout: float | None) -> None:
         self._frames: asyncio.Queue = asyncio.Queue()
@@ -56,8 +56,16 @@ class AsyncSession:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
 
 class AsyncClient:
+    """``qil_client.Client``'s constructor, methods and errors, with awaitable calls."""
+
     def __init__(self, target: str | Sequence[str], token: str | None = None,
                  tls: bool | TLS | None = None, timeout: float | None = None) -> None:
         grpc_target, rr = resolve_target(target)
@@ -100,6 +108,20 @@ class AsyncClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        """Wait until the server reports SERVING; TimeoutError after ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                if await self.health(timeout=max(0.1, min(2.0, deadline - loop.time()))) == "SERVING":
+                    return
+            except QilError:
+                pass
+            if loop.time() > deadline:
+                raise TimeoutError("server not SERVING in time")
+            await asyncio.sleep(0.1)
 
     async def stream(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                      stop_token_ids: Sequence[int] = (), request_id: str = "",

@@ -20,7 +20,8 @@ class Session:
     """A StreamEvents call: send frames any time, iterate over the server's answers and events.
 
     ``close()`` half-closes: the server ends the stream after the session's last request ends.
-    ``abort()`` breaks the stream: the server cancels the requests submitted on it.
+    ``abort()`` breaks the stream: the server cancels the requests submitted on it. Leaving a
+    ``with`` block aborts.
     """
 
     def __init__(self, stub: pb_grpc.InferenceStub, metadata, timeout: float | None) -> None:
@@ -52,12 +53,15 @@ class Session:
 
     def abort(self) -> None:
         self._call.cancel()
+        self.close()  # ends _frame_iter, which gRPC's frame-sending thread would wait on forever
 
     def __iter__(self) -> Iterator[pb.StreamEventsResponse]:
         try:
             yield from self._call
         except grpc.RpcError as err:
+            self.close()  # the call is over (deadline, server error): let the sending thread end
             raise from_rpc_error(err) from None
+        self.close()
 
     def __enter__(self) -> "Session":
         return self
@@ -71,7 +75,10 @@ class Client:
     ``Client("dns:///qil.internal:50051")`` (several addresses: round_robin).
 
     ``token``: bearer token for servers started with --auth-token. ``tls``: True (system roots)
-    or a ``TLS``. Every failure raises a ``qil_client.errors.QilError`` subclass.
+    or a ``TLS``. Every failed call raises a ``qil_client.errors.QilError`` subclass (and
+    ``wait_ready`` a TimeoutError). The constructor, which makes no call, raises ValueError for a
+    target list entry that is not HOST:PORT or does not resolve, and OSError for a TLS file it
+    cannot read.
 
     ``submit``, ``stream`` and ``generate`` take the prompt as ``token_ids``, ``text=`` or
     ``messages=`` and the keyword options of ``qil_client.results.submit_request``: sampling
@@ -119,7 +126,7 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Block until the server reports SERVING."""
+        """Block until the server reports SERVING; TimeoutError after ``timeout`` seconds."""
         import time
 
         deadline = time.monotonic() + timeout

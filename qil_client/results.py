@@ -68,10 +68,15 @@ def stop_reason_of(ev: pb.Event) -> int | str | None:
 
 
 class ResultBuilder:
-    """Accumulates the events of one request into a Result, checking they are gap-free."""
+    """Accumulates the events of one request into a Result, checking they are gap-free.
 
-    def __init__(self, request_id: str = "") -> None:
+    ``start_seq``: the first seq expected, for events replayed from a later ``from_seq``; the
+    Result then holds the tokens (text, logprobs) from there on.
+    """
+
+    def __init__(self, request_id: str = "", *, start_seq: int = 0) -> None:
         self.request_id = request_id
+        self.start_seq = start_seq
         self.token_ids: list[int] = []
         self.texts: list[str] | None = None
         self.logprobs: list[float] | None = None
@@ -79,8 +84,9 @@ class ResultBuilder:
         self.final: pb.Event | None = None
 
     def add(self, ev: pb.Event) -> None:
-        if ev.seq != len(self.token_ids):
-            raise RuntimeError(f"event gap for {ev.request_id}: seq {ev.seq}, expected {len(self.token_ids)}")
+        expected = self.start_seq + len(self.token_ids)
+        if ev.seq != expected:
+            raise RuntimeError(f"event gap for {ev.request_id}: seq {ev.seq}, expected {expected}")
         self.request_id = ev.request_id
         if ev.HasField("text"):
             if self.texts is None:

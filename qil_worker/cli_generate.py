@@ -37,6 +37,17 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a clear usage error for 0, negatives and non-numbers."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def parse_token_list(text: str, flag: str) -> list[int]:
     try:
         value = json.loads(text)
@@ -58,8 +69,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_arguments(p)
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16, auto")
-    p.add_argument("--num-pages", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=positive_int, default=512)
+    p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead")
     p.set_defaults(run=run_generate)
 

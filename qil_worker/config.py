@@ -26,6 +26,11 @@ _REQUIRED_INT_FIELDS = (
 )
 
 
+# Where config.json is silent, transformers' Qwen3Config defaults decide what the weights mean.
+DEFAULT_ROPE_THETA = 10_000.0
+DEFAULT_HEAD_DIM = 128
+
+
 @dataclass(frozen=True)
 class Qwen3Config:
     """The hyper-parameters the forward needs, with Qwen3's meaning of each."""
@@ -38,7 +43,7 @@ class Qwen3Config:
     intermediate_size: int
     vocab_size: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = DEFAULT_ROPE_THETA
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
     eos_token_ids: tuple[int, ...] = ()
@@ -72,7 +77,7 @@ class Qwen3Config:
             raise ConfigError(
                 f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}"
             )
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        head_dim = raw.get("head_dim", DEFAULT_HEAD_DIM)
         if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise ConfigError(f"head_dim: expected a positive even integer, got {head_dim!r}")
         if raw.get("attention_bias"):
@@ -131,7 +136,8 @@ def _rope_theta(raw: dict[str, Any]) -> float:
             )
         if field == "rope_parameters" and "rope_theta" in params:
             return float(params["rope_theta"])
-    return float(raw.get("rope_theta", 1_000_000.0))
+    # transformers' Qwen3Config default (every released Qwen3 config states its own, 1e6)
+    return float(raw.get("rope_theta", DEFAULT_ROPE_THETA))
 
 
 def _eos_ids(value: Any, source: str = "eos_token_id") -> tuple[int, ...]:

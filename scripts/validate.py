@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from qil_worker import Engine, Qwen3
+from qil_worker.errors import QilError
 from qil_worker.engine.probe import ForwardProbe
 
 CASES = ("prefill", "decode", "chunked", "generate")
@@ -319,7 +320,11 @@ def main(argv=None) -> int:
     ref_dir = args.reference or args.model
     t0 = time.perf_counter()
 
-    model = Qwen3.from_directory(args.model, device=args.device, dtype=dtype)
+    try:
+        model = Qwen3.from_directory(args.model, device=args.device, dtype=dtype)
+    except QilError as exc:  # a bad directory, config or device: one line, as the CLI does
+        print(f"validate: {exc}", file=sys.stderr)
+        return 2
     ref = load_reference(ref_dir, dtype, args.attn_implementation, args.device)
     c = model.config
     if max(args.prompt_lengths) + args.max_new_tokens > c.max_position_embeddings:

@@ -64,3 +64,23 @@ def test_clear_errors(tiny_dir):
     assert proc.returncode == 2 and "token id 500 is outside [0, 97)" in proc.stderr
     proc = _run("--model", str(tiny_dir), "--token-ids", "nope", check=False)
     assert proc.returncode != 0 and "JSON list" in proc.stderr
+    for flag in ("--num-pages", "--page-size"):
+        proc = _run("--model", str(tiny_dir), "--token-ids", "[1]", flag, "0", check=False)
+        assert proc.returncode == 2 and f"{flag}: expected a positive integer, got '0'" in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_that_is_not_there_is_a_clear_error(tiny_dir):
+    proc = _run("--model", str(tiny_dir), "--token-ids", "[1]", "--device", "cuda", check=False)
+    assert proc.returncode == 2 and "has no CUDA device" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--threads", "0"), ("--port", "-5"), ("--port", "70000")])
+def test_serve_refuses_impossible_threads_and_ports(flag, value):
+    proc = subprocess.run(
+        [sys.executable, "-m", "qil_worker", "serve", flag, value],
+        capture_output=True, text=True, timeout=120, env=ENV,
+    )
+    assert proc.returncode == 2 and f"argument {flag}: expected" in proc.stderr

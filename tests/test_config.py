@@ -68,3 +68,13 @@ def test_eos_ids_of_generation_config_are_added(tiny_dir, tmp_path):
         Qwen3Config.from_directory(tmp_path)
     generation.unlink()
     assert Qwen3Config.from_directory(tmp_path).eos_token_ids == (90,)
+
+
+def test_silent_fields_default_as_in_transformers(tiny_dir):
+    """Where config.json says nothing, the weights mean what transformers' Qwen3Config says."""
+    from transformers import Qwen3Config as Reference
+
+    raw = {k: v for k, v in _raw(tiny_dir).items() if k not in ("rope_parameters", "rope_theta", "head_dim")}
+    ours, theirs = Qwen3Config.from_dict(raw), Reference.from_dict(raw)
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 10000.0
+    assert ours.head_dim == theirs.head_dim == 128

@@ -86,6 +86,13 @@ def test_untied_head_required_tied_head_optional(tiny_dir, tmp_path):
     tied_with_copy = _copy_checkpoint(tiny_dir, tmp_path / "tiedcopy", add_head)
     assert Qwen3.from_directory(tied_with_copy).lm_head is None
 
+    def add_other_head(t):  # transformers would use this head, untied
+        t["lm_head.weight"] = t["model.embed_tokens.weight"] + 0.5
+
+    tied_with_other = _copy_checkpoint(tiny_dir, tmp_path / "tiedother", add_other_head)
+    with pytest.raises(WeightError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        Qwen3.from_directory(tied_with_other)
+
 
 def test_missing_files_and_shards(tiny_untied_sharded_dir, tmp_path):
     with pytest.raises(WeightError, match="neither model.safetensors"):

@@ -53,3 +53,9 @@ def test_validate_fails_against_different_weights(tiny_dir, tmp_path):
     assert report["passed"] is False
     assert not report["cases"]["prefill"]["logits_ok"]
     assert set(report["cases"]) == {"prefill", "generate"}
+
+
+def test_validate_reports_a_bad_model_directory_in_one_line(tmp_path):
+    proc = run_validate("--model", str(tmp_path))
+    assert proc.returncode == 2
+    assert "no config.json" in proc.stderr and "Traceback" not in proc.stderr

@@ -19,11 +19,19 @@ _DTYPES = {
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
-    """``None`` means CPU: a GPU is used only when asked for."""
+    """``None`` means CPU: a GPU is used only when asked for, and only one that exists (else the
+    first tensor placed there fails deep inside torch)."""
     try:
-        return torch.device(device if device is not None else "cpu")
+        resolved = torch.device(device if device is not None else "cpu")
     except RuntimeError as exc:
         raise ConfigError(f"device: {exc}") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device: {device!r} asked for, but this torch build or machine has no CUDA device")
+        if resolved.index is not None and resolved.index >= count:
+            raise ConfigError(f"device: {device!r} asked for, but there are only {count} CUDA device(s)")
+    return resolved
 
 
 def resolve_dtype(

@@ -90,3 +90,23 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
                     target = targets.get(name)
                     if target is not None:  # a tied checkpoint's own lm_head copy is ignored
                         target.copy_(f.get_tensor(name))
+    if model.config.tie_word_embeddings and TIED_HEAD in found:
+        check_tied_copy(found)
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def check_tied_copy(found: dict[str, tuple[Path, tuple[int, ...]]]) -> None:
+    """A tied checkpoint may carry its LM head too, but only as a copy of the embedding:
+    transformers would use a different one untied, so ignoring it would change every logit."""
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(found[name][0]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    if not torch.equal(read(TIED_HEAD), read(EMBEDDING)):
+        raise WeightError(
+            f"config.json ties the LM head to the embedding (tie_word_embeddings: true), but the "
+            f"checkpoint's {TIED_HEAD} differs from {EMBEDDING}; transformers would use it untied. "
+            "Set tie_word_embeddings to false if the separate head is meant."
+        )

@@ -9,6 +9,7 @@ import os
 import sys
 
 from qil_worker.attention_backends import ATTENTION_CHOICES
+from qil_worker.cli_generate import positive_int
 from qil_worker.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
 from qil_worker.service import limits, logs
 from qil_worker.service.front import FrontConfig
@@ -30,12 +31,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Qwen3 checkpoint directory (default: the embedded demo)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start)")
+    p.add_argument("--port", type=_port, default=50051, help="0 picks a free port (printed at start)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto = the checkpoint's (default: bfloat16 on CUDA, float32 otherwise)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in the worker")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads in the worker")
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument("--num-pages", type=_positive_int, default=None, help="KV pages (default: 512)")
+    pool.add_argument("--num-pages", type=positive_int, default=None, help="KV pages (default: 512)")
     pool.add_argument(
         "--kv-memory-bytes", type=_byte_size, default=None, metavar="N",
         help="size the KV pool from a byte budget instead of --num-pages (e.g. 4GiB, 512MiB, 1e9)",
@@ -153,13 +154,13 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def _port(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
     return value
 
 

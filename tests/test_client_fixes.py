@@ -1,0 +1,144 @@
+"""Client fixes against a real server: sessions end gRPC's request thread, ``events --from-seq``,
+one clean error line for bad targets and TLS files, and AsyncClient's parity with Client."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from qil_client import AsyncClient, Client, DeadlineExceeded, pb
+from qil_client._channel import resolve_target
+from qil_client.results import ResultBuilder
+from service_fixtures import make_service_checkpoint, start_server, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG = 6000  # tokens: still running when the session is left (tiny model: ~1 ms per step)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(make_service_checkpoint(tmp_path_factory.mktemp("fix-model")))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target, timeout=60) as c:
+        yield c
+
+
+def _client_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m qil_client ARGS`` run from the worktree root, as a user would."""
+    return subprocess.run([sys.executable, "-m", "qil_client", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def _read_to_first_event(session, finished: bool = False) -> None:
+    for resp in session:
+        if resp.WhichOneof("frame") == "event" and (resp.event.finished or not finished):
+            return
+
+
+def test_leaving_or_aborting_a_session_ends_grpcs_request_thread(client):
+    client.generate([1, 2], max_new_tokens=1)  # the channel's own threads start on first use
+    before = threading.active_count()
+    for i in range(4):
+        with client.session() as s:
+            s.submit([1, 2, 3], max_new_tokens=2, request_id=f"thr-with-{i}")
+            _read_to_first_event(s, finished=True)
+    s = client.session()
+    s.submit([1, 1, 1], max_new_tokens=LONG, request_id="thr-abort")
+    _read_to_first_event(s)
+    s.abort()
+    assert client.result("thr-abort", timeout=30).finish_reason == "cancelled"
+    wait_until(lambda: threading.active_count() <= before, timeout=5)
+
+
+def test_a_session_the_server_ends_frees_its_request_thread(client):
+    client.generate([1, 2], max_new_tokens=1)
+    before = threading.active_count()
+    s = client.session(timeout=0.5)  # neither closed nor aborted: its deadline ends it
+    s.submit([3, 3, 3], max_new_tokens=LONG, request_id="thr-deadline")
+    with pytest.raises(DeadlineExceeded):
+        for _ in s:
+            pass
+    assert client.result("thr-deadline", timeout=30).finish_reason == "cancelled"
+    wait_until(lambda: threading.active_count() <= before, timeout=5)
+
+
+def test_result_builder_starts_at_a_given_seq_and_still_detects_gaps():
+    b = ResultBuilder(start_seq=3)
+    with pytest.raises(RuntimeError, match="seq 0, expected 3"):
+        b.add(pb.Event(request_id="r", seq=0, token_ids=[1]))
+    b.add(pb.Event(request_id="r", seq=3, token_ids=[4, 5]))
+    with pytest.raises(RuntimeError, match="seq 6, expected 5"):
+        b.add(pb.Event(request_id="r", seq=6, token_ids=[7]))
+    b.add(pb.Event(request_id="r", seq=5, token_ids=[6], finished=True,
+                   finish_reason=pb.FINISH_REASON_LENGTH, num_output_tokens=6))
+    r = b.result()
+    assert r.token_ids == [4, 5, 6] and r.num_output_tokens == 6 and r.finish_reason == "length"
+
+
+def test_cli_events_from_a_later_seq(server, client):
+    want = client.generate([1, 2, 3], max_new_tokens=8, request_id="cli-from-seq").token_ids
+    out = _client_cli("--target", server.target, "events", "cli-from-seq", "--from-seq", "3")
+    assert out.returncode == 0, out.stderr
+    tokens, summary = out.stdout.strip().splitlines()
+    assert [int(t) for t in tokens.split()] == want[3:]
+    assert "request cli-from-seq: 8 tokens, finish=length" in summary
+
+
+@pytest.mark.parametrize("entries, bad", [
+    ("127.0.0.1:1,127.0.0.1", "'127.0.0.1'"),
+    (["127.0.0.1:1", "127.0.0.1:http"], "'127.0.0.1:http'"),
+    (["[::1]:1", "[::1]"], "'[::1]'"),
+    (["127.0.0.1:1", ":2"], "':2'"),
+])
+def test_a_target_list_entry_that_is_not_host_port_is_a_clear_value_error(entries, bad):
+    with pytest.raises(ValueError, match=re.escape(bad) + ".*expected HOST:PORT"):
+        resolve_target(entries)
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        Client(entries)
+
+
+def test_an_unresolvable_name_in_a_target_list_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="'nonexistent.invalid:1'"):
+        resolve_target("nonexistent.invalid:1,other.invalid:2")
+
+
+@pytest.mark.parametrize("args", [
+    ["--target", "nonexistent.invalid:1,other.invalid:2"],
+    ["--target", "127.0.0.1:1,127.0.0.1"],
+    ["--tls-ca", "/nonexistent.pem"],
+])
+def test_cli_bad_target_or_tls_file_is_one_error_line(args):
+    out = _client_cli(*args, "health")
+    assert out.returncode == 2 and out.stdout == ""
+    assert "Traceback" not in out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith("error: ")
+
+
+def test_async_client_wait_ready_and_async_with_session(server):
+    async def run() -> None:
+        async with AsyncClient(server.target, timeout=60) as ac:
+            await ac.wait_ready(30)
+            async with ac.session() as s:
+                s.submit([2, 2, 2], max_new_tokens=LONG, request_id="aio-with")
+                async for resp in s:
+                    if resp.WhichOneof("frame") == "event":
+                        break
+            # leaving the block aborts the session: the server cancels its requests
+            assert (await ac.result("aio-with")).finish_reason == "cancelled"
+        async with AsyncClient("127.0.0.1:1") as down:  # nothing listens there
+            with pytest.raises(TimeoutError):
+                await down.wait_ready(0.5)
+
+    asyncio.run(run())
