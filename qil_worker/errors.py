@@ -29,6 +29,17 @@ class InvalidRequestError(QilError, ValueError):
 class CapacityError(InvalidRequestError):
     """A request can never fit: the whole KV pool or the model's positions are too small."""
 
+    @classmethod
+    def positions(cls, prompt_tokens: int, max_new_tokens: int, max_positions: int) -> "CapacityError":
+        """Prompt + max_new_tokens beyond the model's positions (the engine checks it; the
+        service's front too, before it ships a huge prompt to the worker)."""
+        total = prompt_tokens + max_new_tokens
+        return cls(
+            "max_new_tokens",
+            f"prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+            f"model's {max_positions} positions",
+        )
+
 
 class UnknownRequestError(QilError, KeyError):
     """No request with this id is known to the engine."""

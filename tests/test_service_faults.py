@@ -359,3 +359,34 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model_dir, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_while_the_model_loads_stops_front_and_worker(model_dir, tmp_path):
+    """Stopped before the worker is ready (a large model loads for minutes): the front stops
+    the loading worker and exits 0 instead of dying and leaving it behind."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", QIL_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("QIL_AUTH_TOKEN", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--threads", "1",
+         "--model", str(model_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    )
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    worker_pid = None
+    try:
+        for line in proc.stderr:  # the front logs the spawn at once; the worker then loads
+            if "worker 1 started (pid " in line:
+                worker_pid = int(line.split("(pid ")[1].split(")")[0])
+                break
+        assert worker_pid is not None
+        os.kill(worker_pid, signal.SIGSTOP)  # a load that takes as long as the test needs
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not any("qil serving on" in line for line in out)
+        wait_until(lambda: not _alive(worker_pid), timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if worker_pid is not None and _alive(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from qil_client import Client, DeadlineExceeded, QilError, pb
-from service_fixtures import make_service_checkpoint, start_server, wait_until
+from qil_client import Client, DeadlineExceeded, InvalidArgument, QilError, pb
+from service_fixtures import MAX_POSITIONS, make_service_checkpoint, start_server, wait_until
 
 INVALID_ARGUMENT, UNAVAILABLE = 3, 14
 
@@ -177,3 +177,19 @@ def test_a_drain_refuses_a_session_submit_in_band_and_lets_the_session_finish(mo
             srv.stop()
         else:
             stopper.join(120)
+
+
+def test_a_prompt_beyond_the_models_positions_is_refused_by_the_front(model_dir):
+    """The front knows the model's positions: such a prompt never reaches the worker (millions
+    of ids took it seconds to receive), with the answer the engine would give."""
+    srv = start_server(model_dir)
+    try:
+        with Client(srv.target, timeout=30) as c:
+            with worker_paused(c):  # a prompt sent on to the worker would time out here
+                with pytest.raises(InvalidArgument) as info:
+                    c.submit([1] * MAX_POSITIONS, max_new_tokens=1, timeout=5)
+            assert info.value.field == "max_new_tokens"
+            assert f"= {MAX_POSITIONS + 1} exceeds the model's {MAX_POSITIONS} positions" in str(info.value)
+            assert c.info().num_unfinished == 0
+    finally:
+        srv.stop()

@@ -50,11 +50,7 @@ def validate_submit(
     stops = token_list("stop_token_ids", stop_token_ids or [], config.vocab_size)
     total = len(prompt) + max_new_tokens
     if total > config.max_position_embeddings:
-        raise CapacityError(
-            "max_new_tokens",
-            f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-            f"model's {config.max_position_embeddings} positions",
-        )
+        raise CapacityError.positions(len(prompt), max_new_tokens, config.max_position_embeddings)
     # The last generated token is never fed back, so it needs no KV slot.
     needed = pages_for(total - 1, page_size)
     if needed > num_pages:

@@ -23,9 +23,11 @@ from typing import Any, Callable, Iterable
 
 from qil_worker.service import limits
 from qil_worker.service import protocol as P
+from qil_worker.errors import CapacityError
 from qil_worker.service.errors import (
     ServiceError,
     already_exists,
+    classify_engine_error,
     from_worker_rejection,
     invalid,
     resource_exhausted,
@@ -329,6 +331,9 @@ class Front:
         except asyncio.TimeoutError:
             proc.kill()
             raise WorkerFailed("worker did not become ready in time") from None
+        except asyncio.CancelledError:  # the server stops while the model loads: nothing to drain
+            proc.kill()
+            raise
         worker.info = info
         self.info = info
         self.stats = tuple(info.get("stats", self.stats))
@@ -576,6 +581,11 @@ class Front:
                 f"{self.num_unfinished} unfinished requests; the server admits {self.max_unfinished}"
             )
         tokens = None if token_ids is None else list(token_ids)
+        max_positions = self.info.get("max_position_embeddings")
+        if tokens is not None and max_positions and len(tokens) + max_new_tokens > max_positions:
+            # refused here as the engine would: millions of ids cost the worker seconds to receive
+            too_long = CapacityError.positions(len(tokens), max_new_tokens, max_positions)
+            raise from_worker_rejection(*classify_engine_error(too_long))
         req = Req(rid, len(tokens or ()))
         self._forget_retained(rid)
         self.requests[rid] = req

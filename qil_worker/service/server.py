@@ -541,8 +541,23 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None, announce
     """Run a server until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
     stop = stop or asyncio.Event()
     server = Server(config)
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is threading.main_thread():
+        # before loading: a stop while the model loads (minutes for a large one) ends the worker
+        # too, where the default action would leave it loading without its front
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.ensure_future(server.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("stopped while starting: the worker is stopped, no request had arrived")
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return 0
+    stopping.cancel()
     try:
-        port = await server.start()
+        port = starting.result()
     except WorkerFailed as exc:
         log.error("the worker could not start: %s", exc)
         return 2
@@ -552,10 +567,6 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None, announce
     log.debug("front: %d start-up objects frozen for the GC", freeze_startup_heap())
     demo = " (embedded DEMO model: random weights)" if server.front.info.get("demo") else ""
     announce(f"qil serving on {config.host}:{port}{demo}")
-    loop = asyncio.get_running_loop()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down (grace %.1fs)", config.grace_seconds)
     await server.shutdown()
