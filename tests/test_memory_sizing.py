@@ -25,6 +25,23 @@ def test_sizes_from_a_byte_budget(model):
     assert size_pool(model, 4, num_pages=7).num_pages == 7
 
 
+def test_a_budget_covers_the_decode_graphs_scratch_page(model):
+    """Decode graphs (on CUDA by default) allocate a scratch page beside the pool; the KV
+    tensors, scratch included, stay within the budget, and the summary counts it."""
+    from qil_worker import Engine
+
+    budget = 10 * bytes_per_page(model, 4)
+    reserved = Engine.scratch_pages(model, cuda_graphs=True)
+    size = size_pool(model, 4, memory_bytes=budget, reserved_pages=reserved)
+    engine = Engine(model, num_pages=size.num_pages, page_size=4, cuda_graphs=True)
+    assert reserved == 1 and size.num_pages == 9
+    assert engine.kv.nbytes == size.total_bytes == budget
+    assert "9 pages x 4 tokens = 36 tokens + 1 scratch page" in size.summary()
+    assert Engine.scratch_pages(model) == 0  # the CPU default: no graphs, no scratch page
+    with pytest.raises(ValueError, match="plus a scratch page"):
+        size_pool(model, 4, memory_bytes=bytes_per_page(model, 4), reserved_pages=1)
+
+
 def test_rejects_impossible_sizing(model):
     with pytest.raises(ValueError, match="below one page"):
         size_pool(model, 4, memory_bytes=100)

@@ -96,13 +96,13 @@ class Engine:
             cpu_memory.keep_freed_memory()
         self.tokenizer = tokenizer  # optional: text prompts, text deltas, stop strings
         self.page_size = page_size
-        if cuda_graphs is None:
-            cuda_graphs = model.device.type == "cuda" and not debug
-        elif cuda_graphs and debug and model.device.type == "cuda":
+        if cuda_graphs and debug and model.device.type == "cuda":
             raise ValueError("debug checks read the device inside the forward; they cannot be captured")
+        scratch = self.scratch_pages(model, cuda_graphs, debug)
+        cuda_graphs = scratch > 0
         self.kv = KVCache(
             c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
-            model.dtype, model.device, debug=debug, scratch_pages=1 if cuda_graphs else 0,
+            model.dtype, model.device, debug=debug, scratch_pages=scratch,
         )
         self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
         self.prefix_cache = PrefixCache(self.pool, page_size) if prefix_cache else None
@@ -131,6 +131,15 @@ class Engine:
         self._pending: list[Event] = []  # final events of cancels, emitted by the next step
         self._ids = itertools.count()
         self._closed = False
+
+    @staticmethod
+    def scratch_pages(model: Qwen3, cuda_graphs: bool | None = None, debug: bool = False) -> int:
+        """KV pages an engine allocates beside its ``num_pages``: the scratch page that padded
+        decode rows write to, when decode steps run through ``DecodeGraphs`` (by default on
+        CUDA, unless ``debug``). A KV memory budget must cover it too."""
+        if cuda_graphs is None:
+            cuda_graphs = model.device.type == "cuda" and not debug
+        return 1 if cuda_graphs else 0
 
     # -- requests in -------------------------------------------------------------------------
 

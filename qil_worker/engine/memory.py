@@ -22,6 +22,7 @@ class PoolSize:
     page_size: int
     page_bytes: int
     reason: str
+    reserved_pages: int = 0  # allocated beside the pool: the decode graphs' scratch page
 
     @property
     def num_tokens(self) -> int:
@@ -29,12 +30,14 @@ class PoolSize:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        """What the KV tensors take, reserved pages included."""
+        return (self.num_pages + self.reserved_pages) * self.page_bytes
 
     def summary(self) -> str:
+        reserved = f" + {self.reserved_pages} scratch page" if self.reserved_pages else ""
         return (
-            f"KV pool: {self.num_pages} pages x {self.page_size} tokens = {self.num_tokens} tokens, "
-            f"{format_bytes(self.total_bytes)} ({self.reason})"
+            f"KV pool: {self.num_pages} pages x {self.page_size} tokens = {self.num_tokens} tokens"
+            f"{reserved}, {format_bytes(self.total_bytes)} ({self.reason})"
         )
 
 
@@ -53,24 +56,29 @@ def size_pool(
     memory_bytes: int | None = None,
     memory_fraction: float | None = None,
     warmup_tokens: int = 512,
+    reserved_pages: int = 0,
 ) -> PoolSize:
     """Choose the number of pages: explicit, a byte budget, or a fraction of free CUDA memory.
 
-    For a fraction, one forward of ``warmup_tokens`` tokens runs first on a throwaway pool so
-    the activation peak of the largest step is already taken when free memory is read.
+    ``reserved_pages``: pages the engine allocates beside the pool (``Engine.scratch_pages``);
+    a budget covers them too. For a fraction, one forward of ``warmup_tokens`` tokens runs
+    first on a throwaway pool so the activation peak of the largest step is already taken
+    when free memory is read.
     """
     page_bytes = bytes_per_page(model, page_size)
     if sum(x is not None for x in (num_pages, memory_bytes, memory_fraction)) != 1:
         raise ValueError("give exactly one of num_pages, memory_bytes or memory_fraction")
     if num_pages is not None:
-        return PoolSize(num_pages, page_size, page_bytes, "explicit page count")
+        return PoolSize(num_pages, page_size, page_bytes, "explicit page count", reserved_pages)
     if memory_bytes is not None:
-        if memory_bytes < page_bytes:
+        if memory_bytes < (1 + reserved_pages) * page_bytes:
             raise ValueError(
-                f"kv memory budget {format_bytes(memory_bytes)} is below one page ({format_bytes(page_bytes)})"
+                f"kv memory budget {format_bytes(memory_bytes)} is below one page "
+                f"({format_bytes(page_bytes)}{' plus a scratch page' if reserved_pages else ''})"
             )
         return PoolSize(
-            memory_bytes // page_bytes, page_size, page_bytes, f"budget of {format_bytes(memory_bytes)}"
+            memory_bytes // page_bytes - reserved_pages, page_size, page_bytes,
+            f"budget of {format_bytes(memory_bytes)}", reserved_pages,
         )
     assert memory_fraction is not None
     if not 0.0 < memory_fraction < 1.0:
@@ -80,12 +88,13 @@ def size_pool(
     _warm_up(model, page_size, warmup_tokens)
     free, total = torch.cuda.mem_get_info(model.device)
     budget = int(free * memory_fraction)
-    if budget < page_bytes:
+    if budget < (1 + reserved_pages) * page_bytes:
         raise ValueError(f"{memory_fraction:.0%} of free device memory is less than one KV page")
     return PoolSize(
-        budget // page_bytes, page_size, page_bytes,
+        budget // page_bytes - reserved_pages, page_size, page_bytes,
         f"{memory_fraction:.0%} of {free / 2**30:.2f} GiB free after weights and a "
         f"{warmup_tokens}-token warm-up (device total {total / 2**30:.2f} GiB)",
+        reserved_pages,
     )
 
 

@@ -109,6 +109,7 @@ def _load(config: dict[str, Any]):
     pool = size_pool(
         model, int(engine_kw.get("page_size", 16)), num_pages=num_pages,
         memory_bytes=memory_bytes, memory_fraction=memory_fraction,
+        reserved_pages=Engine.scratch_pages(model, engine_kw.get("cuda_graphs"), engine_kw.get("debug", False)),
     )
     engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, **engine_kw)
     _warm_up(engine, cfg.vocab_size)
@@ -160,7 +161,7 @@ def _mib(n: float) -> str:
 
 def _memory_summary(model: Any, pool: Any) -> str:
     """KV pool bytes, and torch's allocated device memory on CUDA or the process RSS on CPU."""
-    parts = [f"KV pool {_mib(pool.num_pages * pool.page_bytes)}"]
+    parts = [f"KV pool {_mib(pool.total_bytes)}"]
     device = getattr(model, "device", None)
     if getattr(device, "type", "cpu") == "cuda":
         import torch
