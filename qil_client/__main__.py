@@ -149,13 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
+        if args.command in ("generate", "submit") and (args.system or args.thinking is not None) and not (
+            args.chat and args.token_ids is None
+        ):
+            print("error: --system and --thinking go with --prompt --chat", file=sys.stderr)
+            return 2
+        if args.command in ("generate", "submit") and args.token_ids is not None and args.chat:
+            print("error: --chat goes with --prompt", file=sys.stderr)
+            return 2
         if args.wait_ready and args.command != "health":
             client.wait_ready(args.wait_ready)
-        if args.command in ("generate", "submit") and args.token_ids is not None and (
-            args.chat or args.system or args.thinking is not None
-        ):
-            print("error: --chat, --system and --thinking go with --prompt", file=sys.stderr)
-            return 2
         if args.command == "generate":
             events = client.stream(timeout=args.timeout, **request_kwargs(args))
             return _print_events(events, args.json, args.ids)

@@ -134,15 +134,22 @@ class ResultBuilder:
 
 
 def _messages(messages: Iterable[Any]) -> list[pb.ChatMessage]:
+    """Each message as a ChatMessage; a ValueError names one without a string role and content
+    (protobuf would send ``None`` as "" or fail with a message that names nothing)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if isinstance(m, pb.ChatMessage):
             out.append(m)
-        elif isinstance(m, Mapping):
-            out.append(pb.ChatMessage(role=m["role"], content=m["content"]))
-        else:
+            continue
+        if isinstance(m, Mapping):
+            role, content = m.get("role"), m.get("content")
+        elif isinstance(m, (tuple, list)) and len(m) == 2:
             role, content = m
-            out.append(pb.ChatMessage(role=role, content=content))
+        else:
+            role = content = None
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ValueError(f"messages[{i}]: needs a string role and a string content, got {m!r}")
+        out.append(pb.ChatMessage(role=role, content=content))
     return out
 
 

@@ -83,6 +83,22 @@ def test_submit_request_sets_only_the_options_given():
         submit_request([1], seed=-1)  # the wire cannot carry it
     with pytest.raises(TypeError):
         submit_request([1], stop_strings="STOP")
+    for bad in ({"role": "user", "content": None}, {"role": "user"}, {"role": "user", "content": 5}, ("user",)):
+        with pytest.raises(ValueError, match=r"messages\[1\]: needs a string role and a string content"):
+            submit_request(messages=[{"role": "system", "content": "x"}, bad])
+
+
+@pytest.mark.parametrize("flags", [["--token-ids", "[1]", "--chat"], ["--prompt", "hi", "--system", "be brief"],
+                                   ["--prompt", "hi", "--no-thinking"], ["--token-ids", "[1]", "--system", "x"]])
+def test_client_cli_refuses_chat_flags_without_a_chat_prompt(flags):
+    """--system / --thinking would be dropped silently without --chat (no server is needed to
+    refuse them: the check comes before any call)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "qil_client", "--target", "127.0.0.1:1", "generate", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "go" in proc.stderr and "with --prompt" in proc.stderr, proc.stderr
 
 
 def test_result_builder_joins_text_logprobs_and_reads_the_stop_reason():

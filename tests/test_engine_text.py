@@ -7,6 +7,7 @@ from engine_helpers import run_to_completion
 from qil_worker import Engine, FinishReason, InvalidRequestError, Qwen3
 from qil_worker.errors import TokenizerUnavailableError
 from qil_worker.text import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from qil_worker.text.output import TextOutput
 
 SAMPLE = "héllo wörld 中文字符 🙂🚀 — fin"
 
@@ -113,3 +114,79 @@ def test_text_errors(engine, text_dir):
         assert info.value.field == field
     with pytest.raises(TokenizerUnavailableError, match="no tokenizer files"):
         load_tokenizer(text_dir / "nonexistent")
+
+
+@pytest.fixture(scope="module")
+def split_char_tokenizer(tmp_path_factory):
+    """A byte-level BPE with a token b" \\xc3": a space and the first byte of "é", as real
+    byte-level vocabularies have for common characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=260, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([" é è à ç ê ë î ï ô û ù ü ÿ ñ" * 10], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    ids = fast.encode("b: éxyz", add_special_tokens=False)
+    assert fast.decode(ids[:3]) == "b: \ufffd", "the vocabulary should split é after its first byte"
+    return fast
+
+
+def test_a_stop_string_completed_mid_character_stops_at_that_token(split_char_tokenizer):
+    """transformers' StopStringCriteria stops at the token that completes ": " even though it
+    also starts "é"; the whole characters before an incomplete one are released at once."""
+    tok = split_char_tokenizer
+    ids = tok.encode("b: éxyz", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push(t) for t in ids] + [detok.finish()]
+    assert deltas[:4] == ["b", ":", " ", "é"] and "".join(deltas) == "b: éxyz"
+    out = TextOutput(tok, [": "])
+    pushed = []
+    for t in ids:
+        pushed.append(out.push(t))
+        if out.matched_stop is not None:
+            break
+    assert len(pushed) == 3 and out.matched_stop == ": " and out.text == "b"
+
+
+def test_text_cut_at_a_stop_string_always_ends_with_reason_stop(text_dir, split_char_tokenizer, monkeypatch):
+    """A stop string first seen in the text released when the request ends at max_new_tokens
+    (here the U+FFFD of a character the last token left incomplete) makes the reason STOP."""
+    from qil_worker.engine.sampler import SampleOutput
+
+    tok = split_char_tokenizer
+    engine = Engine(Qwen3.from_directory(text_dir), num_pages=16, page_size=8, tokenizer=tok)
+    script = tok.encode("b: é", add_special_tokens=False)[:3]
+
+    def scripted(logits, requests):
+        tokens = [script[len(r.output_token_ids)] for r in requests]
+        return SampleOutput(tokens, [None] * len(tokens), [None] * len(tokens))
+
+    monkeypatch.setattr(engine.sampler, "sample", scripted)
+    rid = engine.submit([1, 2], max_new_tokens=3, stop_strings=["\ufffd"])
+    events = run_to_completion(engine)
+    result = engine.result(rid)
+    assert result.finish_reason is FinishReason.STOP and result.stop_reason == "\ufffd"
+    assert result.output_text == "b: " == "".join(e.text for e in events)
+
+
+def test_a_chat_template_that_refuses_the_messages_is_an_invalid_request(text_dir, tokenizer):
+    """Qwen3's templates raise when no user message is given; that is the caller's mistake."""
+    engine = Engine(Qwen3.from_directory(text_dir), num_pages=8, page_size=8, tokenizer=tokenizer)
+    original = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% if not messages | selectattr('role', 'equalto', 'user') | list %}"
+        "{{ raise_exception('No user query found in messages.') }}{% endif %}" + original
+    )
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.submit(messages=[{"role": "system", "content": "be brief"}])
+    finally:
+        tokenizer.chat_template = original
+    assert info.value.field == "messages" and "No user query found" in str(info.value)
+    assert engine.idle

@@ -290,9 +290,12 @@ class Engine:
                 reason = FinishReason.LENGTH
             index = len(request.output_token_ids) - 1
             if reason is not None:
-                self._finish(request, reason)
                 if request.text is not None:
                     text += request.text.finish()
+                    if reason is FinishReason.LENGTH and request.text.matched_stop is not None:
+                        # the last characters, released only now, completed a stop string
+                        reason, request.stop_reason = FinishReason.STOP, request.text.matched_stop
+                self._finish(request, reason)
             return Event(
                 request.request_id, token, index, reason is not None, reason, None, logprob,
                 top_logprobs, text, request.stop_reason,

@@ -45,5 +45,8 @@ def encode_prompt(
     kwargs: dict[str, Any] = {"add_generation_prompt": True}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
-    rendered = tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
+    try:
+        rendered = tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - templates refuse messages by raising (raise_exception)
+        raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from None
     return list(tokenizer.encode(rendered, add_special_tokens=False))
