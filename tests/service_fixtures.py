@@ -33,7 +33,7 @@ def start_server(model_dir: Path | str | None, engine: dict | None = None, **kw:
         threads=1,
         **front_kw,
     )
-    return ServerThread(ServeConfig(host="127.0.0.1", port=0, front=front, **kw)).start()
+    return ServerThread(ServeConfig(**{"host": "127.0.0.1", "port": 0, **kw}, front=front)).start()
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:

@@ -1,5 +1,6 @@
 """The ``python -m qil_worker generate`` command, run as a user would."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -77,10 +78,26 @@ def test_a_cuda_device_that_is_not_there_is_a_clear_error(tiny_dir):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("flag, value", [("--threads", "0"), ("--port", "-5"), ("--port", "70000")])
-def test_serve_refuses_impossible_threads_and_ports(flag, value):
+@pytest.mark.parametrize("flag, value", [
+    ("--threads", "0"), ("--port", "-5"), ("--port", "70000"), ("--metrics-port", "70000"),
+    ("--max-queued", "-1"), ("--retain-tokens", "-3"), ("--log-level", "verbose"),
+])
+def test_serve_refuses_impossible_flag_values(flag, value):
     proc = subprocess.run(
         [sys.executable, "-m", "qil_worker", "serve", flag, value],
         capture_output=True, text=True, timeout=120, env=ENV,
     )
-    assert proc.returncode == 2 and f"argument {flag}: expected" in proc.stderr
+    assert proc.returncode == 2 and f"argument {flag}:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_refuses_client_certificates_without_tls():
+    """--tls-client-ca alone would have served plaintext to anyone."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "qil_worker", "serve", "--tls-client-ca", "ca.pem"],
+        capture_output=True, text=True, timeout=120, env=ENV,
+    )
+    assert proc.returncode == 2 and "--tls-client-ca needs --tls-cert and --tls-key" in proc.stderr
+    from qil_worker.service.server import ServeConfig, Server
+
+    with pytest.raises(ValueError, match="--tls-client-ca needs"):
+        asyncio.run(Server(ServeConfig(port=0, tls_client_ca="ca.pem")).start())

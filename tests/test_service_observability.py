@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qil_client import Client
+from qil_client import Client, NotFound
 from service_fixtures import make_service_checkpoint, serve_process, start_server, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -288,5 +288,42 @@ def test_preemptions_are_counted(model_dir):
             m = scrape(port)
             assert m["qil_preemptions_total"] == preempted
             assert m["qil_kv_pages_total"] == 8 and m["qil_kv_pages_used"] == 0
+    finally:
+        srv.stop()
+
+
+def test_metrics_on_port_0_log_the_port_picked_and_an_ipv6_host_is_unbracketed(model_dir, caplog):
+    hosts = ["127.0.0.1"]
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        hosts.append("[::1]")  # how --host writes an IPv6 address for gRPC
+    except OSError:
+        pass
+    for host in hosts:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="qil.metrics"):
+            srv = start_server(model_dir, metrics_port=0, host=host)
+        try:
+            (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("metrics on ")]
+            url = line.split()[-1]
+            assert not url.endswith(":0/metrics")
+            with urllib.request.urlopen(url, timeout=10) as r:
+                assert b"qil_" in r.read()
+        finally:
+            srv.stop()
+
+
+def test_finished_requests_expire_while_the_server_is_idle(model_dir):
+    """--retain-seconds bounds how long a finished request is replayed, even when nothing else
+    finishes after it (expiry used to run only when another request finished)."""
+    srv = start_server(model_dir, retain_seconds=0.5)
+    try:
+        with Client(srv.target, timeout=30) as c:
+            c.generate([1, 2, 3], max_new_tokens=2, request_id="old")
+            assert c.result("old").finish_reason == "length"  # kept at first
+            time.sleep(1.0)
+            with pytest.raises(NotFound):
+                c.result("old")
     finally:
         srv.stop()

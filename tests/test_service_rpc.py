@@ -249,6 +249,7 @@ def test_subscribe_unknown_is_not_found(client):
         (dict(token_ids=[1] * (MAX_POSITIONS + 1)), None),  # longer than the model's positions
         (dict(token_ids=[1] * 100, max_new_tokens=MAX_POSITIONS), "max_new_tokens"),
         (dict(token_ids=[1], request_id="x" * 129), "request_id"),
+        (dict(token_ids=[1], request_id="a\n2026-01-01 CRITICAL forged log line"), "request_id"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):

@@ -81,13 +81,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="serve token ids only (requests with text, messages or stop strings fail)",
     )
     p.add_argument(
-        "--max-queued", type=int, default=1024,
+        "--max-queued", type=non_negative_int, default=1024,
         help="unfinished requests admitted beyond --max-active; more is RESOURCE_EXHAUSTED",
     )
     p.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM/SIGINT")
-    p.add_argument("--max-restarts", type=int, default=5, help="worker restarts in a row before giving up")
+    p.add_argument("--max-restarts", type=non_negative_int, default=5, help="worker restarts in a row before giving up")
     p.add_argument(
-        "--retain-finished", type=int, default=limits.RETAIN_FINISHED,
+        "--retain-finished", type=non_negative_int, default=limits.RETAIN_FINISHED,
         help="finished requests kept for late subscribers (at most this many...)",
     )
     p.add_argument(
@@ -95,7 +95,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="...and for at most this long...",
     )
     p.add_argument(
-        "--retain-tokens", type=int, default=limits.RETAIN_TOKENS,
+        "--retain-tokens", type=non_negative_int, default=limits.RETAIN_TOKENS,
         help="...and at most this many output tokens in all (top logprobs count too)",
     )
     p.add_argument(
@@ -106,18 +106,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--tls-client-ca", default=None, help="PEM CA; requires client certificates")
     p.add_argument(
-        "--max-stream-backlog", type=int, default=limits.MAX_STREAM_BACKLOG, metavar="TOKENS",
+        "--max-stream-backlog", type=non_negative_int, default=limits.MAX_STREAM_BACKLOG, metavar="TOKENS",
         help="a streaming call whose client falls more than this many tokens behind (with one "
         "write stuck for a second) ends with "
         "RESOURCE_EXHAUSTED and its requests are cancelled (0: no bound)",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
     p.add_argument(
         "--log-format", choices=logs.FORMATS, default="text",
         help="json: one JSON object per line (ts, level, logger, message, process, request_id)",
     )
     p.add_argument(
-        "--metrics-port", type=int, default=None,
+        "--metrics-port", type=_port, default=None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client; "
         "default: off)",
     )
@@ -151,6 +151,19 @@ def _fraction(text: str) -> float:
         value = -1.0
     if not 0.0 < value < 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}")
+    return value
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -220,6 +233,10 @@ def run_serve(args: argparse.Namespace) -> int:
             return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        # client certificates are a TLS feature: without it the server would run in plaintext
+        print("error: --tls-client-ca needs --tls-cert and --tls-key", file=sys.stderr)
         return 2
     config = config_from_args(args)
 

@@ -491,7 +491,11 @@ class Front:
         size = retained_size(req)
         self._retained[req.rid] = (now, size)
         self._retained_size += size
-        cutoff = now - self.config.retain_seconds
+        self._prune_retained()
+
+    def _prune_retained(self) -> None:
+        """Forget the oldest finished requests beyond the retention bounds (count, tokens, age)."""
+        cutoff = time.monotonic() - self.config.retain_seconds
         while self._retained and (
             len(self._retained) > self.config.retain_finished
             or self._retained_size > self.config.retain_tokens
@@ -502,6 +506,12 @@ class Front:
             old = self.requests.get(rid)
             if old is not None and old.final is not None:
                 del self.requests[rid]
+
+    def find(self, rid: str) -> Req | None:
+        """A live or retained request for a subscriber (age is enforced here too: an idle
+        server finishes nothing that would prune the old ones)."""
+        self._prune_retained()
+        return self.requests.get(rid)
 
     def _forget_retained(self, rid: str) -> None:
         entry = self._retained.pop(rid, None)
@@ -571,6 +581,8 @@ class Front:
             raise invalid(
                 "request_id", f"at most {limits.MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}"
             )
+        if not request_id.isprintable():  # ids go into log lines: no line breaks or controls
+            raise invalid("request_id", f"printable characters only, got {request_id!r}")
         self.check_accepting()
         rid = request_id or uuid.uuid4().hex
         existing = self.requests.get(rid)

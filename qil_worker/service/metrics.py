@@ -129,7 +129,9 @@ class Metrics:
         """``GET /metrics`` on ``host:port`` from a daemon thread."""
         result = self._pc.start_http_server(port, addr=host, registry=self.registry)
         self._http = result[0] if isinstance(result, tuple) else None
-        log.info("metrics on http://%s:%d/metrics", host, port)
+        if self._http is not None:  # port 0: the one the system picked
+            port = self._http.server_port
+        log.info("metrics on http://%s:%d/metrics", f"[{host}]" if ":" in host else host, port)
 
     def close(self) -> None:
         if self._http is not None:

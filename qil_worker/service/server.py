@@ -247,7 +247,7 @@ class _Session:
             return pb.StreamEventsResponse(cancelled=resp), None
         if kind == "subscribe":
             sub = frame.subscribe
-            req = front.requests.get(sub.request_id)
+            req = front.find(sub.request_id)
             if req is None:
                 return self._error(sub.request_id, not_found(sub.request_id)), None
             if req.final is not None and sub.from_seq > len(req.tokens):
@@ -469,7 +469,8 @@ class Server:
             from qil_worker.service.metrics import Metrics  # imports prometheus_client
 
             self.metrics = Metrics()
-            self.metrics.serve(cfg.metrics_host or cfg.host, cfg.metrics_port)
+            # an IPv6 --host is written [::1] for gRPC; the HTTP server wants it bare
+            self.metrics.serve((cfg.metrics_host or cfg.host).strip("[]"), cfg.metrics_port)
             self.front.metrics = self.metrics
         interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
         server = grpc.aio.server(options=limits.SERVER_OPTIONS, interceptors=interceptors)
@@ -481,6 +482,8 @@ class Server:
         )
         address = f"{cfg.host}:{cfg.port}"
         creds = None
+        if cfg.tls_client_ca and not (cfg.tls_cert and cfg.tls_key):
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (client certificates are a TLS feature)")
         if cfg.tls_cert or cfg.tls_key:
             if not (cfg.tls_cert and cfg.tls_key):
                 raise ValueError("--tls-cert and --tls-key go together")
