@@ -286,6 +286,9 @@ NAN, INF = float("nan"), float("inf")
         (dict(text=None, messages=[]), "token_ids"),  # no prompt at all
         (dict(token_ids=[1, 2]), "text"),  # two prompts
         (dict(messages=[("user", "hi")]), "messages"),
+        # tokenized on the worker's encoding thread (long), then refused as any other
+        (dict(text="hello " * 4000), "max_new_tokens"),
+        (dict(text=None, messages=[{"role": "robot", "content": "hi " * 6000}]), "messages[0]"),
     ],
 )
 def test_bad_values_are_invalid_argument_naming_the_field(client, kwargs, field):

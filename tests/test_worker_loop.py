@@ -53,3 +53,70 @@ def test_without_the_burst_window_the_first_submit_steps_alone(model, monkeypatc
     front.send((P.STOP,))
     loop.join(10)
     assert not loop.is_alive()
+
+
+class _BlockingTokenizer:
+    """A tokenizer whose ``encode`` waits for a signal: a prompt that takes long to tokenize."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.release = threading.Event()
+
+    def encode(self, *args, **kwargs):
+        assert self.release.wait(30)
+        return self._tokenizer.encode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def _until_final(conn, rid: str, seen: list) -> None:
+    """Read batches (keeping acks and events in ``seen``) until ``rid`` has its final event."""
+    while True:
+        assert conn.poll(30), "the worker stopped answering"
+        tag, acks, events, *_ = conn.recv()
+        assert tag == P.BATCH
+        seen.extend(("ack", rid_, error) for rid_, error, _ in acks)
+        seen.extend(("event", ev[0], ev[3]) for ev in events)
+        if any(ev[0] == rid and ev[3] for ev in events):
+            return
+
+
+def test_a_long_text_prompt_is_tokenized_beside_the_step_loop(tmp_path, monkeypatch):
+    """A prompt that takes long to tokenize (megabytes of text) no longer stalls the loop: other
+    requests run to their end meanwhile, and a cancel that comes first still ends it."""
+    from checkpoints import make_text_checkpoint
+    from qil_worker import Qwen3
+    from qil_worker.service import prompt_encoder
+    from qil_worker.text import load_tokenizer
+
+    monkeypatch.setattr(prompt_encoder, "INLINE_CHARS", 5)  # "hello there" counts as long
+
+    model_dir = make_text_checkpoint(tmp_path / "text")
+    tokenizer = _BlockingTokenizer(load_tokenizer(model_dir))
+    engine = Engine(Qwen3.from_directory(model_dir), num_pages=64, page_size=4, tokenizer=tokenizer)
+    front, back = multiprocessing.Pipe()
+    loop = threading.Thread(target=worker._serve, args=(back, engine, os.getppid()), daemon=True)
+    loop.start()
+    front.send((P.SUBMIT, "slow", None, 4, [], {"text": "hello there"}))
+    front.send((P.SUBMIT, "fast", [1, 2, 3], 4, [], {"ignore_eos": True}))
+    seen: list = []
+    _until_final(front, "fast", seen)
+    assert ("ack", "fast", None) in seen and not any(rid == "slow" for _, rid, _ in seen)
+    front.send((P.CANCEL, "slow"))
+    tokenizer.release.set()
+    _until_final(front, "slow", seen)
+    assert ("ack", "slow", None) in seen  # submitted once encoded ...
+    assert ("event", "slow", P.FINISH_CODES["cancelled"]) in seen  # ... and cancelled at once
+    front.send((P.SUBMIT, "bad", None, 4, [], {"messages": [{"role": "robot", "content": "a long one"}]}))
+    while True:  # an encoding error is the submit's answer, as before
+        assert front.poll(30)
+        acks = front.recv()[1]
+        if acks:
+            break
+    ((rid, error, _),) = acks
+    assert rid == "bad" and error[1] == "messages[0]"
+    front.send((P.STOP,))
+    loop.join(10)
+    assert not loop.is_alive()
+    assert engine.stats().num_pages_used == 0

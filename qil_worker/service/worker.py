@@ -12,7 +12,8 @@ Waking from idle, the worker keeps reading while messages follow each other clos
 (``BURST_GAP_S``, at most ``BURST_WINDOW_S``): clients that submit a burst — a closed loop
 refilling all its slots when a wave of requests ends together — then get one prefill step
 together instead of one request alone first and the rest a whole step later. A busy worker
-never waits: it takes whatever arrived while the step ran.
+never waits: it takes whatever arrived while the step ran. Long text prompts are tokenized on
+a thread beside the loop (``prompt_encoder``), so a prompt of megabytes stalls no other stream.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from typing import Any
 from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
 from qil_worker.service.heap import freeze_startup_heap
+from qil_worker.service.prompt_encoder import PromptEncoder
 
 log = logging.getLogger("qil.worker")
 
 PARENT_CHECK_S = 1.0
 BURST_GAP_S = 0.002  # waking from idle: a message this soon after the last one joins the first step
 BURST_WINDOW_S = 0.01  # ... for at most this long after the wake-up
+ENCODING_POLL_S = 0.01  # idle while prompts are tokenized: how often the pipe is checked
 
 # TEST-ONLY fault injection, off by default and settable only through the worker's environment
 # (never from the network): "N" or "N:K" makes model forward calls N..N+K-1 (1-based, counted
@@ -267,15 +270,43 @@ def _opt(value: float | None) -> float:
     return -1.0 if value is None else float(value)
 
 
+def _submit(engine: Any, msg: tuple, error: BaseException | None = None) -> tuple:
+    """Queue a SUBMIT in the engine → its ack ``(rid, error or None, prompt tokens)``."""
+    _, rid, token_ids, max_new_tokens, stop_ids, options = msg
+    try:
+        if error is not None:  # its prompt could not be encoded
+            raise error
+        engine.submit(
+            token_ids,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=list(stop_ids) or None,
+            request_id=rid,
+            **options,
+        )
+        return (rid, None, engine.num_prompt_tokens(rid))
+    except Exception as exc:  # noqa: BLE001 - rejected in-band, the worker goes on
+        return (rid, classify_engine_error(exc), 0)
+
+
 def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
+    encoder = PromptEncoder(engine.tokenizer)
+    try:
+        return _loop(conn, engine, parent_pid, encoder)
+    finally:
+        encoder.close()
+
+
+def _loop(conn: Any, engine: Any, parent_pid: int, encoder: PromptEncoder) -> int:
     finish_codes = P.FINISH_CODES
     stop_code = finish_codes["stop"]
     while True:
         burst_until = 0.0
         if engine.idle:
-            # Block (no spinning) until the front sends something; check now and then that the
-            # front still exists (EOF on the pipe is the main signal, this is a backstop).
-            while not conn.poll(PARENT_CHECK_S):
+            # Block (no spinning) until the front sends something or a prompt is encoded; check
+            # now and then that the front still exists (EOF on the pipe is the main signal).
+            while not conn.poll(0.0 if encoder.busy else PARENT_CHECK_S):
+                if encoder.busy and encoder.wait(ENCODING_POLL_S):
+                    break
                 if os.getppid() != parent_pid:
                     log.warning("front process %d is gone; worker exits", parent_pid)
                     return 0
@@ -287,24 +318,21 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
             msg = conn.recv()
             tag = msg[0]
             if tag == P.SUBMIT:
-                _, rid, token_ids, max_new_tokens, stop_ids, options = msg
-                try:
-                    engine.submit(
-                        token_ids,
-                        max_new_tokens=max_new_tokens,
-                        stop_token_ids=list(stop_ids) or None,
-                        request_id=rid,
-                        **options,
-                    )
-                    acks.append((rid, None, engine.num_prompt_tokens(rid)))
-                except Exception as exc:  # noqa: BLE001 - rejected in-band, the worker goes on
-                    acks.append((rid, classify_engine_error(exc), 0))
+                if encoder.takes(msg[5]):
+                    encoder.start(msg)  # acknowledged once encoded (``encoder.finished``)
+                else:
+                    acks.append(_submit(engine, msg))
             elif tag == P.CANCEL:
-                engine.cancel(msg[1])
+                if not encoder.cancel(msg[1]):
+                    engine.cancel(msg[1])
             elif tag == P.STATS:
                 tickets.append(msg[1])
             elif tag == P.STOP:
                 return 0
+        for msg, error, cancelled in encoder.finished():
+            acks.append(_submit(engine, msg, error))
+            if cancelled:
+                engine.cancel(msg[1])
         events = []
         step_info = None
         if not engine.idle:

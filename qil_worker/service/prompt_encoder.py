@@ -1,0 +1,96 @@
+"""Long text and chat prompts tokenized on a thread beside the worker's step loop.
+
+Tokenizing is fast for ordinary prompts but grows with the text: a prompt of 6.7 million
+characters (well under the 16 MiB message limit) took 5.6 s, and the step loop stalled every
+other stream that long (measured, before this module). The tokenizer releases the GIL while it
+works, so on a thread the loop steps on meanwhile (measured: a 6 s encode on a thread, the main
+thread's 1 ms sleeps never waited more than 0.15 s). Prompts up to ``INLINE_CHARS`` characters
+(a few ms to tokenize) are still encoded in the loop, in order, so one huge prompt on the
+thread delays no ordinary request. A long prompt's request is acknowledged to the front when it
+is encoded and the engine accepted it; a cancel that arrives before then ends it right after.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from qil_worker.text.prompt import encode_prompt
+
+PROMPT_OPTIONS = ("text", "messages", "enable_thinking")  # consumed by encoding
+INLINE_CHARS = 16384  # prompts up to this long are tokenized in the step loop
+
+
+@dataclass
+class _Pending:
+    submit: tuple  # the SUBMIT message, prompt still as text or messages
+    encoded: Future
+    cancelled: bool = field(default=False)
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qil-tokenize")
+        self._pending: dict[str, _Pending] = {}
+
+    def takes(self, options: dict[str, Any]) -> bool:
+        """Whether a submit's prompt is text or messages longer than ``INLINE_CHARS`` that this
+        encoder can tokenize (the engine refuses text without a tokenizer, or malformed
+        messages, with its own clear error)."""
+        if self._tokenizer is None:
+            return False
+        text, messages = options.get("text"), options.get("messages")
+        if isinstance(text, str):
+            return len(text) > INLINE_CHARS
+        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            return sum(len(str(m.get("content", ""))) for m in messages) > INLINE_CHARS
+        return False
+
+    def start(self, submit: tuple) -> None:
+        """Begin encoding the prompt of a SUBMIT message ``(tag, rid, None, ..., options)``."""
+        rid, options = submit[1], submit[5]
+        encoded = self._pool.submit(
+            encode_prompt, self._tokenizer, options.get("text"), options.get("messages"),
+            options.get("enable_thinking"),
+        )
+        self._pending[rid] = _Pending(submit, encoded)
+
+    def cancel(self, rid: str) -> bool:
+        """A cancel for a request still being encoded: it ends as soon as it is submitted."""
+        pending = self._pending.get(rid)
+        if pending is None:
+            return False
+        pending.cancelled = True
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` for an encoding to finish; whether one has."""
+        done, _ = wait([p.encoded for p in self._pending.values()], timeout, FIRST_COMPLETED)
+        return bool(done)
+
+    def finished(self) -> list[tuple[tuple, BaseException | None, bool]]:
+        """``(submit, error, cancelled)`` for every prompt done since the last call, in
+        submission order: the SUBMIT message with the prompt as token ids (the original when
+        encoding raised ``error``), and whether a cancel came meanwhile."""
+        done = []
+        for rid, pending in list(self._pending.items()):
+            if not pending.encoded.done():
+                continue
+            del self._pending[rid]
+            error = pending.encoded.exception()
+            submit = pending.submit
+            if error is None:
+                tag, _, _, max_new_tokens, stop_ids, options = submit
+                rest = {k: v for k, v in options.items() if k not in PROMPT_OPTIONS}
+                submit = (tag, rid, pending.encoded.result(), max_new_tokens, stop_ids, rest)
+            done.append((submit, error, pending.cancelled))
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
