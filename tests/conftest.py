@@ -55,3 +55,12 @@ def ref(tiny_dir):
     from checkpoints import load_reference
 
     return load_reference(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """A client of the requesting module's ``server`` fixture (a real server, service tests)."""
+    from qil_client import Client
+
+    with Client(server.target, timeout=60) as c:
+        yield c

@@ -28,12 +28,6 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with Client(server.target, timeout=60) as c:
-        yield c
-
-
 def _client_cli(*args: str) -> subprocess.CompletedProcess:
     """``python -m qil_client ARGS`` run from the worktree root, as a user would."""
     return subprocess.run([sys.executable, "-m", "qil_client", *args],

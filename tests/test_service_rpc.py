@@ -44,12 +44,6 @@ def server(model_dir):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with Client(server.target, timeout=60) as c:
-        yield c
-
-
 def pages_used(client: Client) -> int:
     return client.info().pages.used
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from checkpoints import make_text_checkpoint
-from qil_client import AsyncClient, Client, InvalidArgument, pb
+from qil_client import AsyncClient, InvalidArgument, pb
 from qil_client.results import ResultBuilder
 from service_fixtures import start_server, wait_until
 
@@ -33,12 +33,6 @@ def server(text_dir):
     srv = start_server(text_dir, engine=ENGINE)
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with Client(server.target, timeout=60) as c:
-        yield c
 
 
 class Reference:
