@@ -381,10 +381,13 @@ def test_sigterm_while_the_model_loads_stops_front_and_worker(model_dir, tmp_pat
                 break
         assert worker_pid is not None
         os.kill(worker_pid, signal.SIGSTOP)  # a load that takes as long as the test needs
+        time.sleep(0.5)  # the front waits for it to be ready
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert not any("qil serving on" in line for line in out)
         wait_until(lambda: not _alive(worker_pid), timeout=10)
+        rest = proc.stderr.read()  # a routine stop: no error lines, no restart
+        assert "ERROR" not in rest and "restarting worker" not in rest, rest
     finally:
         if proc.poll() is None:
             proc.kill()

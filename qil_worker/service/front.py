@@ -332,6 +332,8 @@ class Front:
             proc.kill()
             raise WorkerFailed("worker did not become ready in time") from None
         except asyncio.CancelledError:  # the server stops while the model loads: nothing to drain
+            self._stopping = True  # the worker's exit that follows is expected: no restart
+            self._ready_fut.cancel()  # nobody awaits it any more (else its error goes unread)
             proc.kill()
             raise
         worker.info = info
