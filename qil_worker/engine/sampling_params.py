@@ -26,8 +26,8 @@ class SamplingParams:
     top_k: keep the k most likely tokens (0 or -1: off). top_p: keep the smallest set whose
     probability reaches p (1: off). min_p: drop tokens below min_p × the top token's probability.
     repetition_penalty: divide positive / multiply negative logits of tokens already in the
-    prompt or output (1: off; 0.01 to 100). presence_penalty / frequency_penalty: subtract a constant / a
-    per-occurrence amount from logits of tokens already generated (0: off).
+    prompt or output (1: off; 0.01 to 100). presence_penalty / frequency_penalty: subtract a
+    constant / a per-occurrence amount from logits of tokens already generated (0: off).
     seed: makes sampling reproducible whatever else is in the batch (None: a random seed).
     min_new_tokens: EOS and stop ids are masked until this many tokens exist.
     ignore_eos: the model's EOS ids do not stop the request (stop_token_ids still do).

@@ -21,9 +21,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from qil_worker.errors import CapacityError
 from qil_worker.service import limits
 from qil_worker.service import protocol as P
-from qil_worker.errors import CapacityError
 from qil_worker.service.errors import (
     ServiceError,
     already_exists,
