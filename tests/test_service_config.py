@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 
@@ -111,35 +112,49 @@ def test_auth_token_from_flag_or_environment(monkeypatch):
     assert config_from_args(_parse([])).front.model is None  # the embedded demo
 
 
-def test_finished_requests_are_retained_boundedly():
-    from qil_worker.service.front import Front, FrontConfig, Req
+def _finished_req(rid: str, num_tokens: int = 1, top_width: int = 0):
+    from qil_worker.service.request_log import Req
 
-    front = Front(FrontConfig(retain_finished=2, retain_seconds=60))
-    for i in range(4):
-        req = Req(f"r{i}", 1)
-        front.requests[req.rid] = req
-        front.num_unfinished += 1
-        req.final = (2, None, None)
-        front._finished(req)
-    assert sorted(front.requests) == ["r2", "r3"]  # the oldest finished ones are forgotten
-    assert front.num_unfinished == 0
+    req = Req(rid, 1)
+    req.tokens = list(range(num_tokens))
+    if top_width:
+        req.top = [[(1, -0.1)] * top_width for _ in req.tokens]
+    req.final = (2, None, None)
+    return req
+
+
+def test_finished_requests_are_retained_boundedly():
+    from qil_worker.service.request_log import Retention
+
+    kept = Retention(max_count=2, max_size=10**6, max_age_s=60)
+    dropped = [kept.keep(_finished_req(f"r{i}")) for i in range(4)]
+    assert dropped == [[], [], ["r0"], ["r1"]]  # the oldest finished ones are forgotten
+    assert len(kept) == 2
 
 
 def test_finished_requests_are_retained_within_a_token_budget():
-    from qil_worker.service.front import Front, FrontConfig, Req, retained_size
+    from qil_worker.service.request_log import Retention, retained_size
 
-    front = Front(FrontConfig(retain_finished=100, retain_seconds=60, retain_tokens=1000))
-    sizes = {}
-    for i in range(6):
-        req = Req(f"r{i}", 1)
-        req.tokens = list(range(100))
-        if i % 2:  # with 4 top-logprob candidates per token: 5x the weight
-            req.top = [[(1, -0.1)] * 4 for _ in req.tokens]
-        front.requests[req.rid] = req
-        front.num_unfinished += 1
-        req.final = (2, None, None)
-        front._finished(req)
+    kept = Retention(max_count=100, max_size=1000, max_age_s=60)
+    sizes, dropped = {}, []
+    for i in range(6):  # odd ones with 4 top-logprob candidates per token: 5x the weight
+        req = _finished_req(f"r{i}", num_tokens=100, top_width=4 if i % 2 else 0)
         sizes[req.rid] = retained_size(req)
+        dropped += kept.keep(req)
     assert sizes == {"r0": 100, "r1": 500, "r2": 100, "r3": 500, "r4": 100, "r5": 500}
     # newest first while the total stays within 1000: r5 (500) + r4 (100) ... r3 would make 1100
-    assert sorted(front.requests) == ["r4", "r5"]
+    assert dropped == ["r0", "r1", "r2", "r3"]
+    assert kept.size == 600
+
+
+def test_finished_requests_expire_by_age_and_a_forgotten_id_frees_its_size():
+    from qil_worker.service.request_log import Retention
+
+    kept = Retention(max_count=100, max_size=1000, max_age_s=0.05)
+    kept.keep(_finished_req("old", num_tokens=10))
+    kept.keep(_finished_req("gone", num_tokens=20))
+    kept.forget("gone")  # its id was submitted again
+    assert kept.size == 10 and kept.expired() == []
+    time.sleep(0.1)
+    assert kept.expired() == ["old"]
+    assert len(kept) == 0 and kept.size == 0

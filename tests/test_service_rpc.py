@@ -360,8 +360,8 @@ def test_async_session_info_and_health(server, model_dir):
 
 
 def test_build_event_coalesces_everything_since_the_cursor():
-    from qil_worker.service.front import Req
-    from qil_worker.service.server import build_event
+    from qil_worker.service.request_log import Req
+    from qil_worker.service.streams import build_event
 
     req = Req("r", prompt_len=3)
     assert build_event(req, 0) == (None, 0, False)
@@ -377,8 +377,8 @@ def test_build_event_coalesces_everything_since_the_cursor():
 
 
 def test_build_event_keeps_text_and_logprobs_aligned_with_tokens():
-    from qil_worker.service.front import Req
-    from qil_worker.service.server import build_event
+    from qil_worker.service.request_log import Req
+    from qil_worker.service.streams import build_event
 
     req = Req("r", prompt_len=2)
     req.add(5, "a", -0.5, [(5, -0.5), (6, -1.0)])

@@ -1,21 +1,13 @@
 """The front's view of requests and of the worker process (asyncio, torch-free).
 
 ``Front`` owns the worker process (spawn, restart with bounded backoff, stop), turns the worker's
-per-step batches into per-request logs, and lets RPC handlers follow those logs. A request's log is
-its list of output tokens plus its final record; a follower keeps only a cursor into it, so a slow
-reader costs no memory beyond the log itself (bounded by max_new_tokens) and never stalls anyone:
-when it catches up, everything produced meanwhile goes out as one event (coalescing).
+per-step batches into per-request logs (``request_log``), and lets RPC handlers follow those logs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import enum
 import logging
-import multiprocessing
-import queue
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +16,8 @@ from typing import Any, Callable, Iterable
 from qil_worker.errors import CapacityError
 from qil_worker.service import limits
 from qil_worker.service import protocol as P
+from qil_worker.service.request_log import Follower, Req, Retention
+from qil_worker.service.worker_process import WorkerFailed, WorkerProcess, WorkerState
 from qil_worker.service.errors import (
     ServiceError,
     already_exists,
@@ -39,18 +33,6 @@ log = logging.getLogger("qil.front")
 CANCELLED_CODE = P.FINISH_CODES["cancelled"]
 ERROR_CODE = P.FINISH_CODES["error"]
 WORKER_DIED = "worker process died"
-
-
-class WorkerState(enum.IntEnum):  # numbers of qil.v1.WorkerState
-    STARTING = 1
-    READY = 2
-    RESTARTING = 3
-    FAILED = 4
-    STOPPING = 5
-
-
-class WorkerFailed(Exception):
-    """The worker could not start (bad model directory, ...) or died while starting."""
 
 
 @dataclass
@@ -81,164 +63,11 @@ class FrontConfig:
     max_stream_backlog: int = limits.MAX_STREAM_BACKLOG
 
 
-def retained_size(req: "Req") -> int:
-    """What keeping a finished request costs, in token-equivalents: each output token, plus one
-    per top-logprob candidate it carries (those dominate: ~100 bytes each in Python objects)."""
-    width = len(req.top[0]) if req.top else 0
-    return max(1, len(req.tokens) * (1 + width))
-
-
-class Req:
-    """One request as the front sees it: its output so far and, once over, its final record.
-
-    Per output token i: ``tokens[i]``, and when the worker sends them ``texts[i]`` (the text
-    delta that token released), ``logprobs[i]`` and ``top[i]``. Parallel lists, so a follower
-    starting at any cursor gets aligned slices.
-    """
-
-    __slots__ = (
-        "rid", "prompt_len", "tokens", "texts", "logprobs", "top", "final_text", "final", "lost",
-        "listeners",
-    )
-
-    def __init__(self, rid: str, prompt_len: int) -> None:
-        self.rid = rid
-        self.prompt_len = prompt_len
-        self.tokens: list[int] = []
-        self.texts: list[str] | None = None  # None: the worker has no tokenizer
-        self.logprobs: list[float] | None = None  # None: not asked for
-        self.top: list[list[tuple[int, float]]] | None = None
-        self.final_text = ""  # text released by the end itself (no token of its own)
-        # (finish_code, error, final_tuple_or_None) once the request is over
-        self.final: tuple[int, str | None, tuple | None] | None = None
-        self.lost = False  # ended because the worker died
-        self.listeners: set[Any] = set()
-
-    @property
-    def done(self) -> bool:
-        return self.final is not None
-
-    def add(self, token: int, text: str | None, logprob: float | None, top: list | None) -> None:
-        """One event of the worker: a token (``token >= 0``) or the end's own text."""
-        if text is not None and self.texts is None:
-            self.texts = [""] * len(self.tokens)
-        if token < 0:
-            if text:
-                self.final_text += text
-            return
-        self.tokens.append(token)
-        if self.texts is not None:
-            self.texts.append(text or "")
-        if logprob is not None:
-            if self.logprobs is None:
-                self.logprobs = [0.0] * (len(self.tokens) - 1)
-            self.logprobs.append(logprob)
-        if top is not None:
-            if self.top is None:
-                self.top = [[] for _ in range(len(self.tokens) - 1)]
-            self.top.append(top)
-
-
-class Follower:
-    """Wakes one coroutine whenever a request it follows has news.
-
-    With ``max_backlog``, it also watches how far its reader is behind: ``written`` is the
-    cursor up to which the follower's events have been written to the client and
-    ``writing_since`` when the write in flight started (None: none is). When the request has
-    produced more than ``max_backlog`` tokens past ``written`` while one write has been pending
-    for ``limits.STREAM_STALL_S`` (the client stopped reading and HTTP/2 flow control holds the
-    writer), ``on_backlog`` is called once and ``exhausted`` is set. A follower that is merely
-    waiting for news is never behind: its next event takes everything at once. The stall time
-    keeps a reader that is only briefly slow (a busy host) from being cut off.
-    """
-
-    __slots__ = (
-        "_event", "lost", "written", "writing_since", "max_backlog", "exhausted", "on_backlog",
-    )
-
-    def __init__(self, max_backlog: int | None = None, on_backlog: Callable[[Req], Any] | None = None) -> None:
-        self._event = asyncio.Event()
-        self.lost = False
-        self.written = 0
-        self.writing_since: float | None = None
-        self.max_backlog = max_backlog
-        self.exhausted = False
-        self.on_backlog = on_backlog
-
-    def wake(self, req: Req) -> None:
-        if (
-            self.max_backlog is not None
-            and self.writing_since is not None
-            and not self.exhausted
-            and req.final is None
-            and len(req.tokens) - self.written > self.max_backlog
-            and time.monotonic() - self.writing_since >= limits.STREAM_STALL_S
-        ):
-            self.exhausted = True
-            if self.on_backlog is not None:
-                self.on_backlog(req)
-        self._event.set()
-
-    def worker_lost(self, req: Req) -> None:
-        self.lost = True
-        self._event.set()
-
-    async def wait(self, timeout: float | None = None) -> None:
-        if timeout is None:
-            await self._event.wait()
-        else:
-            try:
-                await asyncio.wait_for(self._event.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-        self._event.clear()
-
-
-class _Worker:
-    """A running worker process and the two threads that talk to it."""
-
-    def __init__(self, gen: int, proc: Any, conn: Any) -> None:
-        self.gen = gen
-        self.proc = proc
-        self.conn = conn
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.info: dict[str, Any] | None = None
-
-    def send(self, msg: tuple) -> None:
-        self.outbox.put(msg)
-
-    def writer(self) -> None:
-        # A thread, so that a full pipe (worker busy in a long step) never blocks the event loop.
-        while True:
-            msg = self.outbox.get()
-            if msg is None:
-                return
-            try:
-                self.conn.send(msg)
-            except (OSError, ValueError):
-                return
-
-    def reader(self, deliver: Callable[[int, Any], None]) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError, ValueError):
-                deliver(self.gen, None)
-                return
-            except Exception:  # noqa: BLE001 - a message we cannot unpickle: treat as dead
-                log.exception("bad message from worker")
-                deliver(self.gen, None)
-                return
-            deliver(self.gen, msg)
-
-
 class Front:
     def __init__(self, config: FrontConfig) -> None:
         self.config = config
         self.requests: dict[str, Req] = {}
-        # finished requests kept for late subscribers: rid -> (finish time, retained size)
-        self._retained: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
-        self._retained_size = 0
+        self._retained = Retention(config.retain_finished, config.retain_tokens, config.retain_seconds)
         self._acks: dict[str, asyncio.Future] = {}
         self._tickets: dict[int, asyncio.Future] = {}
         self._next_ticket = 0
@@ -251,7 +80,7 @@ class Front:
         self._failures = 0
         self._ready_since = 0.0
         self._gen = 0
-        self._worker: _Worker | None = None
+        self._worker: WorkerProcess | None = None
         self._ready_fut: asyncio.Future | None = None
         self._draining = False
         self._stopping = False
@@ -269,7 +98,7 @@ class Front:
 
     @property
     def worker_pid(self) -> int:
-        return self._worker.proc.pid if self._worker is not None else 0
+        return self._worker.pid if self._worker is not None else 0
 
     @property
     def draining(self) -> bool:
@@ -288,13 +117,9 @@ class Front:
         await self._spawn()
 
     async def _spawn(self) -> None:
-        from qil_worker.service.worker import worker_main  # torch-free at import time
-
         loop = self._loop
         assert loop is not None
-        ctx = multiprocessing.get_context("spawn")
         self._gen += 1
-        parent, child = ctx.Pipe(duplex=True)
         wcfg = {
             "model": self.config.model,
             "device": self.config.device,
@@ -308,13 +133,6 @@ class Front:
             "log_level": self.config.log_level,
             "log_format": self.config.log_format,
         }
-        proc = ctx.Process(target=worker_main, args=(child, wcfg), name="qil-worker", daemon=True)
-        self._ready_fut = loop.create_future()
-        proc.start()
-        child.close()  # the front keeps only its end: EOF on it means the worker is gone
-        worker = _Worker(self._gen, proc, parent)
-        self._worker = worker
-        log.info("worker %d started (pid %d)", worker.gen, proc.pid)
 
         def deliver(gen: int, msg: Any) -> None:
             try:
@@ -322,19 +140,19 @@ class Front:
             except RuntimeError:  # loop closed
                 pass
 
-        threading.Thread(target=worker.writer, name="qil-worker-writer", daemon=True).start()
-        threading.Thread(
-            target=worker.reader, args=(deliver,), name="qil-worker-reader", daemon=True
-        ).start()
+        self._ready_fut = loop.create_future()
+        worker = WorkerProcess.spawn(self._gen, wcfg, deliver)
+        self._worker = worker
+        log.info("worker %d started (pid %d)", worker.gen, worker.pid)
         try:
             info = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.config.start_timeout_s)
         except asyncio.TimeoutError:
-            proc.kill()
+            worker.kill()
             raise WorkerFailed("worker did not become ready in time") from None
         except asyncio.CancelledError:  # the server stops while the model loads: nothing to drain
             self._stopping = True  # the worker's exit that follows is expected: no restart
             self._ready_fut.cancel()  # nobody awaits it any more (else its error goes unread)
-            proc.kill()
+            worker.kill()
             raise
         worker.info = info
         self.info = info
@@ -344,7 +162,7 @@ class Front:
         log.info(
             "worker ready (pid %d): model %s%s, dtype %s, device %s; %s; memory: %s; tokenizer: %s; "
             "prefix cache: %s",
-            proc.pid, info.get("name"), " [DEMO: random weights]" if info.get("demo") else "",
+            worker.pid, info.get("name"), " [DEMO: random weights]" if info.get("demo") else "",
             info.get("dtype", "?"), info.get("device", "?"), info.get("kv_pool", "KV pool: ?"),
             info.get("memory", "?"), info.get("tokenizer") or "none (token ids only)",
             "on" if info.get("prefix_cache") else "off",
@@ -367,14 +185,14 @@ class Front:
             if self._ready_fut is not None and not self._ready_fut.done():
                 self._ready_fut.set_exception(WorkerFailed(msg[1]))
 
-    def _on_worker_gone(self, worker: _Worker) -> None:
-        worker.outbox.put(None)
+    def _on_worker_gone(self, worker: WorkerProcess) -> None:
+        worker.close_outbox()
         if self._ready_fut is not None and not self._ready_fut.done():
             self._ready_fut.set_exception(WorkerFailed("worker process exited while starting"))
             return
         if self._stopping:
             return
-        log.error("worker process (pid %d) died; failing %d request(s)", worker.proc.pid, self.num_unfinished)
+        log.error("worker process (pid %d) died; failing %d request(s)", worker.pid, self.num_unfinished)
         # State first (health NOT_SERVING), then the in-flight calls end with UNAVAILABLE.
         self._set_state(WorkerState.STOPPING if self._draining else WorkerState.RESTARTING)
         self._fail_in_flight()
@@ -405,10 +223,10 @@ class Front:
         if self.metrics is not None:
             self.metrics.on_stats(self.stats, self.num_unfinished)
 
-    async def _restart(self, dead: _Worker) -> None:
+    async def _restart(self, dead: WorkerProcess) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, dead.proc.join, 5.0)
-        log.warning("worker exit code: %s", dead.proc.exitcode)
+        exitcode = await loop.run_in_executor(None, dead.wait_exit, 5.0)
+        log.warning("worker exit code: %s", exitcode)
         if time.monotonic() - self._ready_since > self.config.stable_after_s:
             self._failures = 0
         while not self._draining:
@@ -488,23 +306,10 @@ class Front:
     def _finished(self, req: Req) -> None:
         self._report_finished(req)
         self._count_out()
-        now = time.monotonic()
-        self._forget_retained(req.rid)
-        size = retained_size(req)
-        self._retained[req.rid] = (now, size)
-        self._retained_size += size
-        self._prune_retained()
+        self._forget_finished(self._retained.keep(req))
 
-    def _prune_retained(self) -> None:
-        """Forget the oldest finished requests beyond the retention bounds (count, tokens, age)."""
-        cutoff = time.monotonic() - self.config.retain_seconds
-        while self._retained and (
-            len(self._retained) > self.config.retain_finished
-            or self._retained_size > self.config.retain_tokens
-            or next(iter(self._retained.values()))[0] < cutoff
-        ):
-            rid = next(iter(self._retained))
-            self._forget_retained(rid)
+    def _forget_finished(self, rids: list[str]) -> None:
+        for rid in rids:
             old = self.requests.get(rid)
             if old is not None and old.final is not None:
                 del self.requests[rid]
@@ -512,13 +317,8 @@ class Front:
     def find(self, rid: str) -> Req | None:
         """A live or retained request for a subscriber (age is enforced here too: an idle
         server finishes nothing that would prune the old ones)."""
-        self._prune_retained()
+        self._forget_finished(self._retained.expired())
         return self.requests.get(rid)
-
-    def _forget_retained(self, rid: str) -> None:
-        entry = self._retained.pop(rid, None)
-        if entry is not None:
-            self._retained_size -= entry[1]
 
     def _report_finished(self, req: Req) -> None:
         """One INFO line per finished request, and its metrics."""
@@ -601,7 +401,7 @@ class Front:
             too_long = CapacityError.positions(len(tokens), max_new_tokens, max_positions)
             raise from_worker_rejection(*classify_engine_error(too_long))
         req = Req(rid, len(tokens or ()))
-        self._forget_retained(rid)
+        self._retained.forget(rid)
         self.requests[rid] = req
         self.num_unfinished += 1
         self._idle.clear()
@@ -616,7 +416,7 @@ class Front:
         except ServiceError:
             if self.requests.get(rid) is req:
                 del self.requests[rid]
-                self._forget_retained(rid)
+                self._retained.forget(rid)
             raise
         if err is not None:  # ``_on_batch`` has forgotten the request
             raise from_worker_rejection(*err)
@@ -704,18 +504,5 @@ class Front:
         self._set_state(WorkerState.STOPPING)
         if self._restart_task is not None:
             self._restart_task.cancel()
-        worker = self._worker
-        if worker is None:
-            return
-        worker.send((P.STOP,))
-        worker.outbox.put(None)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, worker.proc.join, timeout)
-        if worker.proc.is_alive():
-            log.warning("worker did not stop; killing it")
-            worker.proc.kill()
-            await loop.run_in_executor(None, worker.proc.join, 5.0)
-        try:
-            worker.conn.close()
-        except OSError:
-            pass
+        if self._worker is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._worker.stop, timeout)

@@ -9,11 +9,15 @@ through ``errors.classify_engine_error``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_worker.service import limits
 from qil_worker.service.errors import invalid
+
+if TYPE_CHECKING:
+    from qil_worker.service.front import Front
+    from qil_worker.service.request_log import Req
 
 # Optional SubmitRequest fields passed to Engine.submit under the same name when set.
 OPTIONAL_FIELDS = (
@@ -67,3 +71,11 @@ def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
             options[name] = getattr(request, name)
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.DEFAULT_MAX_NEW_TOKENS
     return SubmitArgs(request.request_id, token_ids, max_new, list(request.stop_token_ids), options)
+
+
+async def submit_to(front: "Front", request: pb.SubmitRequest) -> "Req":
+    """Check ``request`` and queue it through ``front``; returns once the engine accepted it."""
+    args = submit_args(request)
+    return await front.submit(
+        args.request_id, args.token_ids, args.max_new_tokens, args.stop_token_ids, args.options
+    )

@@ -1,0 +1,206 @@
+"""One StreamEvents call: submit, cancel and subscribe frames in; answers and coalesced events
+out, in order, with bounded memory (a fixed number of frames in flight, cursors into the
+front's request logs) and in-band errors for what concerns one request."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from qil_client._proto.qil.v1 import inference_pb2 as pb
+from qil_worker.service import limits
+from qil_worker.service.decoding import Undecodable
+from qil_worker.service.errors import ServiceError, invalid, not_found, unavailable
+from qil_worker.service.front import Front
+from qil_worker.service.request_log import Req
+from qil_worker.service.requests import submit_to
+from qil_worker.service.streams import (
+    backlog_bound,
+    backlog_error,
+    build_event,
+    past_the_end,
+    stream_fell_behind,
+)
+
+
+class StreamSession:
+    """One StreamEvents call: frames in, events and answers out, bounded memory."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.max_backlog = backlog_bound(front)
+        self.writing_since: float | None = None  # monotonic time the pending write started
+        # keyed by the request object, not its id: a finished request and a new one that reuses
+        # its id are different streams
+        self.subs: dict[Req, int] = {}  # req -> cursor
+        self.dirty: dict[Req, None] = {}  # requests with news, in arrival order
+        self.control: collections.deque = collections.deque()  # futures of answers, in order
+        self.slots = asyncio.Semaphore(limits.MAX_PENDING_FRAMES)
+        self.wakeup = asyncio.Event()
+        self.owned: set[Req] = set()  # submitted on this session
+        self.half_closed = False
+        self.fault: ServiceError | None = None
+        self.tasks: set[asyncio.Task] = set()
+
+    # listener interface (see request_log.Follower)
+    def wake(self, req: Req) -> None:
+        cursor = self.subs.get(req)
+        if cursor is not None:
+            self.dirty[req] = None
+            bound = self.max_backlog
+            if (
+                bound is not None
+                and self.fault is None
+                and req.final is None
+                and len(req.tokens) - cursor > bound
+                and self.writing_since is not None
+                and time.monotonic() - self.writing_since >= limits.STREAM_STALL_S
+            ):
+                # the client stopped reading: gRPC flow control holds our writes while the
+                # worker goes on producing; end the stream and free the pages of the requests
+                # it submitted (a request it only subscribed to belongs to someone else)
+                self.fault = backlog_error(bound)
+                stream_fell_behind(self.front, self._live_owned(), bound, req.rid)
+            self.wakeup.set()
+
+    def worker_lost(self, req: Req) -> None:
+        self.fault = unavailable("worker process died")
+        self.wakeup.set()
+
+    def _add_sub(self, req: Req, cursor: int) -> None:
+        if req in self.subs:
+            return
+        self.subs[req] = cursor
+        req.listeners.add(self)
+        self.dirty[req] = None
+
+    def _drop_sub(self, req: Req) -> None:
+        del self.subs[req]
+        self.owned.discard(req)
+        req.listeners.discard(self)
+
+    def _live_owned(self) -> list[str]:
+        """Ids of the unfinished requests this session submitted (safe to cancel by id)."""
+        return sorted(r.rid for r in self.owned if r.final is None)
+
+    async def read_frames(self, frames: AsyncIterator[pb.StreamEventsRequest]) -> None:
+        try:
+            async for frame in frames:
+                if isinstance(frame, Undecodable):
+                    # not a half-close: the session ends with INVALID_ARGUMENT, and close()
+                    # cancels what it submitted
+                    self.fault = invalid("frame", frame.describe())
+                    return
+                await self.slots.acquire()
+                kind = frame.WhichOneof("frame")
+                task = asyncio.ensure_future(self._answer(kind, frame))
+                self.tasks.add(task)
+                task.add_done_callback(self._answered)
+                self.control.append(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the stream broke; the handler ends with it
+            pass
+        finally:
+            self.half_closed = True
+            self.wakeup.set()
+
+    def _answered(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self.wakeup.set()
+
+    async def _answer(self, kind: str | None, frame: pb.StreamEventsRequest):
+        """→ (response or None, action to run when the response is written, or None)."""
+        front = self.front
+        if kind == "submit":
+            s = frame.submit
+            try:
+                req = await submit_to(front, s)
+            except ServiceError as err:
+                # in-band only, even UNAVAILABLE: a drain refuses new work but lets the session's
+                # requests finish, and a dead worker reached their subscribers (worker_lost)
+                return self._error(s.request_id, err), None
+            self.owned.add(req)
+            resp = pb.StreamEventsResponse(
+                submitted=pb.SubmitResponse(request_id=req.rid, num_prompt_tokens=req.prompt_len)
+            )
+            return resp, (lambda: self._add_sub(req, 0))
+        if kind == "cancel":
+            results = await front.cancel(frame.cancel.request_ids)
+            resp = pb.CancelResponse(
+                results=[pb.CancelResult(request_id=r, was_active=a) for r, a in results]
+            )
+            return pb.StreamEventsResponse(cancelled=resp), None
+        if kind == "subscribe":
+            sub = frame.subscribe
+            req = front.find(sub.request_id)
+            if req is None:
+                return self._error(sub.request_id, not_found(sub.request_id)), None
+            if req.final is not None and sub.from_seq > len(req.tokens):
+                return self._error(sub.request_id, past_the_end(req, sub.from_seq)), None
+            return None, (lambda: self._add_sub(req, sub.from_seq))
+        err = invalid("frame", "empty StreamEventsRequest: set submit, cancel or subscribe")
+        return self._error("", err), None
+
+    @staticmethod
+    def _error(rid: str, err: ServiceError) -> pb.StreamEventsResponse:
+        return pb.StreamEventsResponse(
+            error=pb.RequestError(
+                request_id=rid, code=err.code.value[0], field=err.field or "", message=err.message
+            )
+        )
+
+    async def responses(self, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StreamEventsResponse]:
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            while self.control and self.control[0].done():
+                task = self.control.popleft()
+                self.slots.release()
+                resp, action = task.result()
+                if resp is not None:
+                    self.writing_since = time.monotonic()
+                    yield resp
+                    self.writing_since = None
+                if action is not None:
+                    action()
+            if self.fault is not None:
+                await self.fault.abort(context)
+            while self.dirty:
+                if self.fault is not None:
+                    await self.fault.abort(context)
+                req = next(iter(self.dirty))
+                del self.dirty[req]
+                cursor = self.subs.get(req)
+                if cursor is None:
+                    continue
+                # (a request lost with the worker while subscribed faulted the session above;
+                # subscribed later, it gets its tokens and the final ERROR event, like any end)
+                if cursor > len(req.tokens):
+                    if req.final is None:
+                        continue  # subscribed ahead of the output; wait for more
+                    # it ended before reaching the cursor: as a subscription after its end
+                    self._drop_sub(req)
+                    yield self._error(req.rid, past_the_end(req, cursor))
+                    continue
+                ev, self.subs[req], done = build_event(req, cursor)
+                if done:
+                    self._drop_sub(req)
+                if ev is not None:
+                    self.writing_since = time.monotonic()
+                    yield pb.StreamEventsResponse(event=ev)
+                    self.writing_since = None
+            if self.half_closed and not self.control and not self.subs:
+                return
+
+    def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        for req in self.subs:
+            req.listeners.discard(self)
+        for rid in self._live_owned():
+            self.front.cancel_nowait(rid)
