@@ -69,9 +69,7 @@ class Qwen3Config:
                 f"architectures: expected one of {list(SUPPORTED_ARCHITECTURES)}, got {architectures!r}"
             )
         for name in _REQUIRED_INT_FIELDS:
-            value = raw.get(name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+            _positive_int(raw, name)
         heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
         if heads % kv_heads:
             raise ConfigError(
@@ -95,10 +93,10 @@ class Qwen3Config:
             head_dim=head_dim,
             intermediate_size=raw["intermediate_size"],
             vocab_size=raw["vocab_size"],
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_positive_number(raw, "rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            max_position_embeddings=_positive_int(raw, "max_position_embeddings", 40960),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         )
@@ -122,22 +120,45 @@ class Qwen3Config:
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
-    """RoPE base, accepting ``rope_theta``/``rope_scaling`` (4.x) and ``rope_parameters`` (5.x)."""
+    """RoPE base, read where transformers reads it: from ``rope_scaling`` (4.x) when that is a
+    non-empty object, else from ``rope_parameters`` (5.x), else the top-level ``rope_theta``.
+    Any scaled RoPE, in either field, is refused."""
+    chosen: dict[str, Any] = {}
     for field in ("rope_scaling", "rope_parameters"):
         params = raw.get(field)
         if params is None:
             continue
         if not isinstance(params, dict):
             raise ConfigError(f"{field}: expected an object or null, got {params!r}")
+        if any(isinstance(v, dict) for v in params.values()):
+            raise ConfigError(f"{field}: RoPE parameters per layer type are not supported")
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(
                 f"{field}: rope_type {rope_type!r} is not supported (only the default RoPE)"
             )
-        if field == "rope_parameters" and "rope_theta" in params:
-            return float(params["rope_theta"])
+        if params and not chosen:
+            chosen = params
+    if "rope_theta" in chosen:
+        return _positive_number(chosen, "rope_theta", DEFAULT_ROPE_THETA)
     # transformers' Qwen3Config default (every released Qwen3 config states its own, 1e6)
-    return float(raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    return _positive_number(raw, "rope_theta", DEFAULT_ROPE_THETA)
+
+
+def _positive_int(raw: dict[str, Any], name: str, default: int | None = None) -> int:
+    """``raw[name]`` (``default`` when absent; None: required) as a positive int, or a ConfigError."""
+    value = raw.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _positive_number(raw: dict[str, Any], name: str, default: float) -> float:
+    """``raw[name]`` (``default`` when absent) as a positive finite float, or a ConfigError."""
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConfigError(f"{name}: expected a positive number, got {value!r}")
+    return float(value)
 
 
 def _eos_ids(value: Any, source: str = "eos_token_id") -> tuple[int, ...]:

@@ -78,3 +78,39 @@ def test_silent_fields_default_as_in_transformers(tiny_dir):
     ours, theirs = Qwen3Config.from_dict(raw), Reference.from_dict(raw)
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 10000.0
     assert ours.head_dim == theirs.head_dim == 128
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 1e4},
+        {"rope_scaling": {"type": "default"}, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        {"rope_scaling": {}, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        {"rope_parameters": {"rope_type": "default"}, "rope_theta": 5e5},
+        {"rope_parameters": {}, "rope_theta": 2e5},
+        {"rope_scaling": None, "rope_theta": 1e6},
+    ],
+)
+def test_rope_base_is_read_where_transformers_reads_it(tiny_dir, rope):
+    from transformers import Qwen3Config as Reference
+
+    raw = {k: v for k, v in _raw(tiny_dir).items() if k not in ("rope_parameters", "rope_theta")}
+    raw.update(rope)
+    assert Qwen3Config.from_dict(raw).rope_theta == Reference.from_dict(raw).rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5}}}, "rope_parameters"),
+        ({"rms_norm_eps": None}, "rms_norm_eps"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
+        ({"max_position_embeddings": None}, "max_position_embeddings"),
+        ({"max_position_embeddings": -5}, "max_position_embeddings"),
+        ({"rope_parameters": None, "rope_theta": None}, "rope_theta"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}}, "rope_theta"),
+    ],
+)
+def test_rejects_malformed_values_with_the_field_named(tiny_dir, change, field):
+    with pytest.raises(ConfigError, match=field):
+        Qwen3Config.from_dict({**_raw(tiny_dir), **change})

@@ -109,3 +109,53 @@ def test_missing_files_and_shards(tiny_untied_sharded_dir, tmp_path):
     first_shard.unlink()
     with pytest.raises(WeightError, match="not found"):
         Qwen3.from_directory(broken)
+
+
+def test_single_file_wins_over_an_index_as_in_transformers(tiny_dir, tiny_untied_sharded_dir, tmp_path):
+    both = tmp_path / "both"
+    both.mkdir()
+    for f in tiny_untied_sharded_dir.iterdir():  # an untied, sharded checkpoint ...
+        (both / f.name).write_bytes(f.read_bytes())
+    config = json.loads((both / "config.json").read_text())
+    tied = {k: v for k, v in load_file(tiny_dir / "model.safetensors").items()}
+    # ... beside a single file holding other weights of the same shapes, plus an untied head
+    tied["lm_head.weight"] = tied["model.embed_tokens.weight"] * 0.5
+    save_file(tied, both / "model.safetensors")
+    model = Qwen3.from_directory(both, pack_weights=False)
+    ref = load_reference(both).state_dict()
+    assert config["tie_word_embeddings"] is False
+    assert torch.equal(model.embed, ref["model.embed_tokens.weight"])
+    assert torch.equal(model.embed, tied["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head, ref["lm_head.weight"])
+
+
+def test_bin_checkpoint_and_base_model_layout_are_explained(tiny_dir, tmp_path):
+    bin_only = tmp_path / "bin_only"
+    bin_only.mkdir()
+    (bin_only / "config.json").write_text((tiny_dir / "config.json").read_text())
+    torch.save(load_file(tiny_dir / "model.safetensors"), bin_only / "pytorch_model.bin")
+    with pytest.raises(WeightError, match="PyTorch .bin weights"):
+        Qwen3.from_directory(bin_only)
+
+    def strip_prefix(t):
+        for name in list(t):
+            t[name.removeprefix("model.")] = t.pop(name)
+
+    with pytest.raises(WeightError, match="lack the 'model.' prefix"):
+        Qwen3.from_directory(_copy_checkpoint(tiny_dir, tmp_path / "base", strip_prefix))
+
+
+def test_auto_dtype_follows_the_stored_tensors_when_config_is_silent(tiny_dir, tmp_path):
+    def to_bf16(t):
+        for name in t:
+            t[name] = t[name].to(torch.bfloat16)
+
+    ckpt = _copy_checkpoint(tiny_dir, tmp_path / "bf16", to_bf16)
+    config = json.loads((ckpt / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert Qwen3.from_directory(ckpt, dtype="auto").dtype == torch.bfloat16
+    config["dtype"] = "float32"  # what config.json states wins, as in transformers
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert Qwen3.from_directory(ckpt, dtype="auto").dtype == torch.float32

@@ -24,7 +24,11 @@ TIED_HEAD = "lm_head.weight"
 
 
 def shard_files(directory: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the index's shards, or the single file."""
+    """The safetensors files of a checkpoint: the single file, else the index's shards (the
+    order transformers looks in, so both load the same weights when a directory has both)."""
+    single = directory / SINGLE_FILE
+    if single.exists():
+        return [single]
     index = directory / INDEX_FILE
     if index.exists():
         try:
@@ -36,10 +40,31 @@ def shard_files(directory: Path) -> list[Path]:
         if missing:
             raise WeightError(f"{index}: shard file(s) listed but not found: {', '.join(missing)}")
         return files
-    single = directory / SINGLE_FILE
-    if single.exists():
-        return [single]
-    raise WeightError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    hint = ""
+    if any(directory.glob("pytorch_model*.bin")):
+        hint = (
+            "; it has PyTorch .bin weights, which qil does not load (they are pickles): convert "
+            "them to safetensors, e.g. save_pretrained(..., safe_serialization=True)"
+        )
+    raise WeightError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found{hint}")
+
+
+STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_dtype(directory: Path) -> str | None:
+    """The dtype the checkpoint's floating-point tensors are stored in (the first one's, read
+    from a header), as ``torch_dtype`` spells it; None when it cannot be told."""
+    try:
+        files = shard_files(directory)
+        with safe_open(str(files[0]), framework="pt") as f:
+            for name in f.keys():
+                found = STORED_DTYPES.get(f.get_slice(name).get_dtype())
+                if found is not None:
+                    return found
+    except Exception:  # noqa: BLE001 - a broken checkpoint: loading reports the real problem
+        return None
+    return None
 
 
 def read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
@@ -70,6 +95,13 @@ def check_weights(
         if name not in targets and not (tied and name == TIED_HEAD):
             problems.append(f"unknown: {name} (shape {found[name][1]})")
     if problems:
+        unknown = [name for name in found if name not in targets]
+        if unknown and all(f"model.{name}" in targets for name in unknown):
+            raise WeightError(
+                "checkpoint tensor names lack the 'model.' prefix (a base Qwen3Model's layout, e.g. "
+                f"{sorted(unknown)[0]!r} for 'model.{sorted(unknown)[0]}'); qil loads "
+                "Qwen3ForCausalLM checkpoints"
+            )
         raise WeightError(
             f"checkpoint does not match the config ({len(problems)} problem(s)):\n  "
             + "\n  ".join(problems)

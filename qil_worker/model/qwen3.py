@@ -140,11 +140,14 @@ class Qwen3(nn.Module):
         (``"auto"`` takes the checkpoint's own dtype). ``pack_weights``: on CPU, pack the
         weights for oneDNN after loading (``pack_weights()``); False keeps the plain parameters.
         """
-        from qil_worker.model.loader import load_weights
+        from qil_worker.model.loader import load_weights, stored_dtype
 
         config = Qwen3Config.from_directory(path)
         device = resolve_device(device)
-        model = cls(config, device=device, dtype=resolve_dtype(dtype, device, config.torch_dtype))
+        checkpoint_dtype = config.torch_dtype
+        if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
+            checkpoint_dtype = stored_dtype(Path(path))
+        model = cls(config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype))
         load_weights(model, Path(path))
         if pack_weights:
             model.pack_weights()
