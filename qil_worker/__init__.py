@@ -9,6 +9,7 @@ from qil_worker.config import Qwen3Config
 from qil_worker.errors import (
     CapacityError,
     ConfigError,
+    DeviceFailedError,
     DuplicateRequestError,
     InvalidRequestError,
     QilError,
@@ -45,7 +46,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CapacityError", "ConfigError", "DuplicateRequestError", "Engine", "EngineStats", "Event",
+    "CapacityError", "ConfigError", "DeviceFailedError", "DuplicateRequestError", "Engine", "EngineStats", "Event",
     "FinishReason", "InvalidRequestError", "QilError", "Qwen3", "Qwen3Config", "Result",
     "SamplingParams", "UnknownRequestError", "WeightError", "__version__",
 ]

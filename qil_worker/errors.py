@@ -41,6 +41,11 @@ class CapacityError(InvalidRequestError):
         )
 
 
+class DeviceFailedError(QilError):
+    """The device failed in a way that poisons every later call (a sticky CUDA error such as an
+    illegal memory access): the engine refuses work; only a new process can use the device."""
+
+
 class UnknownRequestError(QilError, KeyError):
     """No request with this id is known to the engine."""
 

@@ -5,8 +5,11 @@ import random
 import pytest
 
 from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
+import torch
+
 from qil_worker import (
     CapacityError,
+    DeviceFailedError,
     DuplicateRequestError,
     Engine,
     FinishReason,
@@ -121,6 +124,49 @@ def test_failed_forward_fails_that_step_only(model, ref, monkeypatch):
     b = engine.submit([1, 2, 3], max_new_tokens=4)
     run_to_completion(engine)
     assert engine.result(b).output_token_ids == reference_greedy(ref, [1, 2, 3], 4)
+
+
+def _raising(exc):
+    def forward(*args, **kwargs):
+        raise exc
+    return forward
+
+
+def test_out_of_memory_in_a_step_fails_that_step_only(model, monkeypatch):
+    engine = Engine(model, num_pages=64, page_size=4, max_active=1)
+    a, b = engine.submit([1, 2, 3], max_new_tokens=4), engine.submit([4, 5], max_new_tokens=4)
+    monkeypatch.setattr(model, "forward", _raising(torch.cuda.OutOfMemoryError("CUDA out of memory")))
+    events = engine.step()
+    monkeypatch.undo()
+    assert [(e.request_id, e.finish_reason) for e in events] == [(a, FinishReason.ERROR)]
+    run_to_completion(engine)
+    assert engine.result(b).finish_reason == FinishReason.LENGTH and engine.device_failure is None
+
+
+@pytest.mark.parametrize("error", ["AcceleratorError", "RuntimeError"])
+def test_a_sticky_device_error_ends_every_request_and_refuses_more(model, monkeypatch, error):
+    """After an illegal memory access every CUDA call fails: the engine ends all its requests
+    (running, waiting) with the error instead of failing them one step at a time, forever.
+    (torch raises AcceleratorError; versions before it, a RuntimeError.)"""
+    cls = RuntimeError if error == "RuntimeError" else getattr(torch, error, None)
+    if cls is None:
+        pytest.skip(f"torch {torch.__version__} has no {error}")
+    engine = Engine(model, num_pages=64, page_size=4, max_active=2)
+    ids = [engine.submit([1, 2, 3 + i], max_new_tokens=8) for i in range(3)]  # the third waits
+    engine.step()
+    message = "CUDA error: an illegal memory access was encountered"
+    monkeypatch.setattr(model, "forward", _raising(cls(message)))
+    events = engine.step()
+    monkeypatch.undo()
+    assert sorted(e.request_id for e in events) == sorted(ids)
+    assert all(e.finished and e.finish_reason == FinishReason.ERROR and message in e.error for e in events)
+    assert message in engine.device_failure and engine.idle
+    assert_pool_free(engine)
+    with pytest.raises(DeviceFailedError, match="illegal memory access"):
+        engine.submit([1, 2], max_new_tokens=2)
+    with pytest.raises(DeviceFailedError):
+        engine.step()
+    assert engine.result(ids[2]).finish_reason == FinishReason.ERROR
 
 
 def test_short_budget_round_robin_starves_nobody(model):

@@ -239,6 +239,40 @@ def test_exception_in_forward_fails_that_step_only(model_dir, monkeypatch):
         srv.stop()
 
 
+def test_a_sticky_device_error_replaces_the_worker(model_dir, monkeypatch):
+    """A step that leaves the device unusable (CUDA's illegal memory access, injected here as
+    the AcceleratorError torch raises) ends every request in the worker with that error, and the
+    worker exits to be replaced: the server serves again instead of failing every step."""
+    from qil_worker.service.worker import FAULT_FORWARD_ENV
+
+    monkeypatch.setenv(FAULT_FORWARD_ENV, "20:1:device")
+    srv = start_server(model_dir, engine=dict(ENGINE, max_active=1), restart_backoff_s=0.2)
+    monkeypatch.delenv(FAULT_FORWARD_ENV)  # the replacement worker runs clean
+    try:
+        with Client(srv.target, timeout=60) as c:
+            pid = c.info().worker.pid
+            running = c.stream([3, 1, 4], max_new_tokens=LONG, ignore_eos=True, request_id="dev-a")
+            events = [next(running)]
+            waiting = c.session()
+            waiting.submit([2, 7], max_new_tokens=5, request_id="dev-b")  # queued behind dev-a
+            frames = iter(waiting)
+            assert next(frames).WhichOneof("frame") == "submitted"
+            events.extend(running)
+            assert events[-1].finish_reason == pb.FINISH_REASON_ERROR
+            assert "illegal memory access" in events[-1].error
+            waiting.close()  # half-close: the call ends once dev-b has ended
+            last = [f for f in frames if f.WhichOneof("frame") == "event"][-1].event
+            assert last.finished and last.finish_reason == pb.FINISH_REASON_ERROR
+            assert "illegal memory access" in last.error
+            wait_until(lambda: c.info().worker.restarts == 1 and c.health() == "SERVING", timeout=60)
+            info = c.info()
+            assert info.worker.pid not in (0, pid) and info.num_unfinished == 0
+            r = c.generate([2, 7], max_new_tokens=5, ignore_eos=True)
+            assert r.finish_reason == "length" and len(r.token_ids) == 5
+    finally:
+        srv.stop()
+
+
 def test_fault_hook_is_off_by_default():
     from qil_worker.service.worker import FAULT_FORWARD_ENV, _install_forward_fault
 

@@ -22,6 +22,7 @@ from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.engine.scheduler import Scheduler
 from qil_worker.engine.validation import validate_submit
 from qil_worker.errors import (
+    DeviceFailedError,
     DuplicateRequestError,
     InvalidRequestError,
     TokenizerUnavailableError,
@@ -36,6 +37,19 @@ from qil_worker.text.prompt import encode_prompt
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512  # decode steps with more requests than this run eagerly
+
+
+def device_unusable(exc: BaseException) -> bool:
+    """Whether a failed step left the device unusable: CUDA reports an illegal memory access, a
+    device-side assert or a launch failure once, and every later call fails too (torch raises
+    ``AcceleratorError``; older versions a RuntimeError saying "CUDA error"). Running out of
+    memory is not one: the next step may fit."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,8 @@ class Engine:
         self._pending: list[Event] = []  # final events of cancels, emitted by the next step
         self._ids = itertools.count()
         self._closed = False
+        # Why the device can no longer be used (``device_unusable``); the engine then refuses work.
+        self.device_failure: str | None = None
 
     @staticmethod
     def scratch_pages(model: Qwen3, cuda_graphs: bool | None = None, debug: bool = False) -> int:
@@ -251,8 +267,16 @@ class Engine:
             sampled = self.sampler.sample(logits, [c.request for c in sampled_chunks])
         except Exception as exc:  # the whole forward failed: fail its requests, keep serving
             log.exception("step failed for %d request(s)", len(chunks))
-            for chunk in chunks:
-                events.append(self._fail(chunk.request, f"step failed: {type(exc).__name__}: {exc}"))
+            message = f"step failed: {type(exc).__name__}: {exc}"
+            failed = [chunk.request for chunk in chunks]
+            if device_unusable(exc):  # no later step can succeed: end everything, refuse work
+                self.device_failure = message
+                in_step = {r.request_id for r in failed}
+                failed += [
+                    r for r in self._requests.values() if not r.finished and r.request_id not in in_step
+                ]
+            for request in failed:
+                events.append(self._fail(request, message))
             return events
         self.scheduler.commit(computed)
         now = time.perf_counter()
@@ -407,6 +431,8 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("engine is closed")
+        if self.device_failure is not None:
+            raise DeviceFailedError(f"the device is unusable after a failed step ({self.device_failure})")
 
     def _get(self, request_id: str) -> Request:
         try:

@@ -34,6 +34,7 @@ from qil_worker.service.prompt_encoder import PromptEncoder
 log = logging.getLogger("qil.worker")
 
 PARENT_CHECK_S = 1.0
+DEVICE_FAILED_EXIT = 4  # the exit code of a worker whose device failed (see Engine.device_failure)
 BURST_GAP_S = 0.002  # waking from idle: a message this soon after the last one joins the first step
 BURST_WINDOW_S = 0.01  # ... for at most this long after the wake-up
 ENCODING_POLL_S = 0.01  # idle while prompts are tokenized: how often the pipe is checked
@@ -41,7 +42,8 @@ ENCODING_POLL_S = 0.01  # idle while prompts are tokenized: how often the pipe i
 # TEST-ONLY fault injection, off by default and settable only through the worker's environment
 # (never from the network): "N" or "N:K" makes model forward calls N..N+K-1 (1-based, counted
 # after the warm-up; K defaults to 1) raise RuntimeError, to test that a failing step ends its
-# requests with an in-band error and the server keeps serving.
+# requests with an in-band error and the server keeps serving; "N:K:device" raises what a
+# sticky CUDA error raises instead, to test that the worker is replaced.
 FAULT_FORWARD_ENV = "QIL_TEST_FAULT_FORWARD"
 
 
@@ -194,15 +196,21 @@ def _install_forward_fault(model: Any, spec: str | None) -> None:
     """TEST ONLY (see ``FAULT_FORWARD_ENV``): wrap this model instance's ``forward``."""
     if not spec:
         return
-    first, _, count = spec.partition(":")
+    import torch
+
+    first, count, kind = (spec.split(":") + ["", ""])[:3]
     first_call, num = int(first), int(count or 1)
+    error = RuntimeError
+    if kind == "device":  # what torch raises for an illegal memory access on CUDA
+        error = getattr(torch, "AcceleratorError", RuntimeError)
     inner = model.forward
     calls = [0]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         if first_call <= calls[0] < first_call + num:
-            raise RuntimeError(f"injected fault in forward call {calls[0]} ({FAULT_FORWARD_ENV})")
+            cause = "CUDA error: an illegal memory access was encountered; " if kind == "device" else ""
+            raise error(f"{cause}injected fault in forward call {calls[0]} ({FAULT_FORWARD_ENV})")
         return inner(*args, **kwargs)
 
     model.forward = forward  # the instance attribute shadows the method for this model only
@@ -384,3 +392,7 @@ def _loop(conn: Any, engine: Any, parent_pid: int, encoder: PromptEncoder) -> in
                 )
         if acks or events or tickets:
             conn.send((P.BATCH, acks, events, _stats(engine), tickets, step_info))
+        if engine.device_failure is not None:
+            # every later step would fail too: exit, and the front starts a fresh worker
+            log.error("the device is unusable (%s); the worker exits to be restarted", engine.device_failure)
+            return DEVICE_FAILED_EXIT
