@@ -43,3 +43,18 @@ def test_varlen_path_agrees_with_gather_sdpa(model, page_size, mode):
     agree = sum(a == b for x, y in zip(*res) for a, b in zip(x.output_token_ids, y.output_token_ids))
     assert agree >= 0.9 * 16 * len(prompts)
     assert engines[0].decode_graphs.steps > 0  # the graphed decode steps ran this kernel too
+
+
+def test_memory_fraction_leaves_room_for_the_largest_step(model):
+    """The pool takes the fraction of free memory less the warm-up step's activation peak,
+    and a step of that size then runs beside the pool."""
+    from qil_worker.engine.memory import bytes_per_page, size_pool
+
+    free_before, _ = torch.cuda.mem_get_info(model.device)
+    size = size_pool(model, 16, memory_fraction=0.05, warmup_tokens=256)
+    assert "activation peak of a 256-token step" in size.reason
+    assert size.total_bytes <= 0.05 * free_before + bytes_per_page(model, 16)
+    engine = Engine(model, num_pages=size.num_pages, page_size=16, token_budget=256, prefill_chunk=256)
+    (result,) = engine.generate([[1] * 255], max_new_tokens=2)
+    assert result.error is None and len(result.output_token_ids) == 2
+    engine.close()

@@ -196,14 +196,17 @@ class DecodeGraphs:
 
     def _capture(self, shape: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.model.device)
-        side.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(side):  # warm up outside capture (lazy init, workspace sizes)
-            self._body(shape)
-        torch.cuda.current_stream(self.model.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            hidden = self._body(shape)
+        # On the model's device even when it is not the current one (cuda:1): kernels go to the
+        # current stream of their tensors' device, and only that stream's work is captured.
+        with torch.cuda.device(self.model.device):
+            side = torch.cuda.Stream(self.model.device)
+            side.wait_stream(torch.cuda.current_stream(self.model.device))
+            with torch.cuda.stream(side):  # warm up outside capture (lazy init, workspace sizes)
+                self._body(shape)
+            torch.cuda.current_stream(self.model.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                hidden = self._body(shape)
         self._graphs[shape] = (graph, hidden)
         seconds = time.perf_counter() - t0
         self.capture_seconds += seconds

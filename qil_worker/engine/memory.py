@@ -61,9 +61,10 @@ def size_pool(
     """Choose the number of pages: explicit, a byte budget, or a fraction of free CUDA memory.
 
     ``reserved_pages``: pages the engine allocates beside the pool (``Engine.scratch_pages``);
-    a budget covers them too. For a fraction, one forward of ``warmup_tokens`` tokens runs
-    first on a throwaway pool so the activation peak of the largest step is already taken
-    when free memory is read.
+    a budget covers them too. For a fraction, one forward of ``warmup_tokens`` tokens (the
+    engine's token budget: its largest step) runs first on a throwaway pool; the fraction is
+    then taken of the free memory less that step's activation peak, which later steps need
+    again.
     """
     page_bytes = bytes_per_page(model, page_size)
     if sum(x is not None for x in (num_pages, memory_bytes, memory_fraction)) != 1:
@@ -85,27 +86,38 @@ def size_pool(
         raise ValueError(f"kv memory fraction must be in (0, 1), got {memory_fraction}")
     if model.device.type != "cuda":
         raise ValueError("a kv memory fraction needs a CUDA device; give a byte budget instead")
-    _warm_up(model, page_size, warmup_tokens)
+    peak = _warm_up(model, page_size, warmup_tokens)
     free, total = torch.cuda.mem_get_info(model.device)
-    budget = int(free * memory_fraction)
+    budget = int(max(0, free - peak) * memory_fraction)
     if budget < (1 + reserved_pages) * page_bytes:
         raise ValueError(f"{memory_fraction:.0%} of free device memory is less than one KV page")
     return PoolSize(
         budget // page_bytes - reserved_pages, page_size, page_bytes,
-        f"{memory_fraction:.0%} of {free / 2**30:.2f} GiB free after weights and a "
-        f"{warmup_tokens}-token warm-up (device total {total / 2**30:.2f} GiB)",
+        f"{memory_fraction:.0%} of {free / 2**30:.2f} GiB free after the weights, less the "
+        f"{format_bytes(peak)} activation peak of a {warmup_tokens}-token step "
+        f"(device total {total / 2**30:.2f} GiB)",
         reserved_pages,
     )
 
 
-def _warm_up(model: Qwen3, page_size: int, tokens: int) -> None:
+def _warm_up(model: Qwen3, page_size: int, tokens: int) -> int:
+    """Run one ``tokens``-token step on a throwaway pool; returns the bytes it allocated at its
+    peak beyond the weights and that pool (activations, attention workspace, logits). The
+    allocator's cache is emptied after, so free memory is read without it."""
     from qil_worker.engine.engine import Engine
 
+    device = model.device
     tokens = max(2, min(tokens, model.config.max_position_embeddings - 1))
-    engine = Engine(model, num_pages=-(-tokens // page_size), page_size=page_size,
-                    token_budget=tokens, prefill_chunk=tokens, prefix_cache=False)
+    pages = -(-tokens // page_size)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    engine = Engine(model, num_pages=pages, page_size=page_size, token_budget=tokens,
+                    prefill_chunk=tokens, prefix_cache=False, cuda_graphs=False)
     engine.generate([[0] * (tokens - 1)], max_new_tokens=1)
     engine.close()
     del engine
-    torch.cuda.synchronize(model.device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - pages * bytes_per_page(model, page_size)
     torch.cuda.empty_cache()
+    return max(0, peak)

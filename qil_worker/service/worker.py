@@ -114,6 +114,7 @@ def _load(config: dict[str, Any]):
     pool = size_pool(
         model, int(engine_kw.get("page_size", 16)), num_pages=num_pages,
         memory_bytes=memory_bytes, memory_fraction=memory_fraction,
+        warmup_tokens=int(engine_kw.get("token_budget", 512)),
         reserved_pages=Engine.scratch_pages(model, engine_kw.get("cuda_graphs"), engine_kw.get("debug", False)),
     )
     engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, **engine_kw)
