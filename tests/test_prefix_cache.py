@@ -174,3 +174,41 @@ def test_random_sharing_preemption_cancel_and_eviction(model, policy, attention,
     assert any(r.num_cached_tokens for r in results), "prefixes were meant to be shared"
     assert any(r.num_preemptions for r in results), "the pool was meant to force preemption"
     assert engine.stats().num_pages_cached > 0
+
+
+# -- eviction order and in-flight hits, found by mutation testing ---------------------------
+
+
+def _two_cached_idle_pages():
+    pool = PagePool(2)
+    cache = PrefixCache(pool, page_size=2)
+    p0, p1 = pool.allocate(2)
+    cache.insert(100, [1, 2], p0)
+    cache.insert(200, [3, 4], p1)
+    pool.free([p0])  # p0 idles first: least recently used
+    pool.free([p1])
+    return pool, cache, p0, p1
+
+
+def test_eviction_takes_the_least_recently_used_idle_page():
+    pool, cache, p0, p1 = _two_cached_idle_pages()
+    assert pool.allocate(1) == [p0]
+    assert cache.match([3, 4], [200], 1) == [p1], "the recently used page must survive"
+
+
+def test_a_hit_makes_a_page_recently_used_again():
+    pool, cache, p0, p1 = _two_cached_idle_pages()
+    assert cache.match([1, 2], [100], 1) == [p0]  # p0 used again ...
+    pool.free([p0])  # ... and released: now the most recent
+    assert pool.allocate(1) == [p1]
+    assert cache.match([1, 2], [100], 1) == [p0]
+
+
+def test_an_in_flight_hit_compares_tokens_too():
+    pool = PagePool(2)
+    cache = PrefixCache(pool, page_size=2)
+    (p,) = pool.allocate(1)
+    cache.begin_step()
+    cache.announce(111, [1, 2], p)
+    assert cache.match([5, 6], [111], 1) == []
+    assert cache.match([1, 2], [111], 1) == [p] and pool.refs(p) == 2

@@ -152,3 +152,53 @@ def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs).validate(max_new_tokens=10)
     assert info.value.field == field
+
+
+# -- boundaries and independence found by mutation testing --------------------------------
+
+
+def test_top_p_boundary_matches_transformers():
+    logits = torch.zeros(1, 4)  # probabilities exactly 0.25: cumulative 0.25, 0.5, 0.75, 1
+    ours = truncate(logits, [SamplingParams(temperature=1.0, top_p=0.75)])
+    theirs = TopPLogitsWarper(0.75)(None, logits.clone())
+    assert int(torch.isfinite(ours).sum()) == int(torch.isfinite(theirs).sum()) == 3
+
+
+def test_min_p_boundary_matches_transformers():
+    logits = torch.log(torch.tensor([[4.0, 2.0, 1.0, 1.0]]))  # p / p_max = 1, .5, .25, .25
+    ours = truncate(logits, [SamplingParams(temperature=1.0, min_p=0.5)])
+    theirs = MinPLogitsWarper(0.5)(None, logits.clone())
+    assert torch.isfinite(ours).tolist() == torch.isfinite(theirs).tolist() == [[True, True, False, False]]
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token():
+    torch.manual_seed(0)
+    for vocab in (3, 97, 1000, 151936):
+        logits = torch.randn(4, vocab)
+        out = truncate(logits, [SamplingParams(temperature=1.0, top_p=1e-9)] * 4)
+        assert torch.isfinite(out).sum(dim=1).tolist() == [1] * 4
+        assert (out.argmax(dim=1) == logits.argmax(dim=1)).all()
+
+
+
+
+def test_a_greedy_rows_logprobs_do_not_depend_on_its_neighbours():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 10)
+    alone = Sampler().sample(logits[:1], [_request(seed=1, logprobs=True)])
+    mixed = Sampler().sample(logits, [_request(seed=1, logprobs=True), _request(temperature=0.7, seed=3)])
+    assert mixed.tokens[0] == alone.tokens[0]
+    assert mixed.logprobs[0] == pytest.approx(alone.logprobs[0], abs=1e-6)
+    assert alone.logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1).max()), abs=1e-6)
+
+
+def test_top_logprobs_alone_also_give_the_chosen_logprob():
+    out = Sampler().sample(torch.tensor([[2.0, 1.0, 0.0]]), [_request(seed=1, top_logprobs=2)])
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(torch.tensor([2.0, 1.0, 0.0]), -1)[0]))
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(seed=2**64), "seed"), (dict(logprobs=1), "logprobs")])
+def test_more_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs).validate(max_new_tokens=10)
+    assert info.value.field == field

@@ -205,7 +205,9 @@ class Engine:
             raise TypeError("pass either sampling= or sampling fields, not both")
         sampling.validate(max_new_tokens)
         existing = self._requests.get(request_id) if request_id is not None else None
-        if existing is not None and not existing.finished:
+        if existing is not None and (
+            not existing.finished or any(e.request_id == request_id for e in self._pending)
+        ):  # (a cancelled request is over once the next step has handed out its final event)
             raise DuplicateRequestError(request_id)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
