@@ -150,12 +150,15 @@ class AsyncClient:
         session = AsyncSession(self._stub, self._md, self._t(timeout))
         session.subscribe(request_id, from_seq)
         session.close()
-        async for resp in session:
-            kind = resp.WhichOneof("frame")
-            if kind == "event":
-                yield resp.event
-            elif kind == "error":
-                raise error_for(resp.error.code, resp.error.message, resp.error.field)
+        try:
+            async for resp in session:
+                kind = resp.WhichOneof("frame")
+                if kind == "event":
+                    yield resp.event
+                elif kind == "error":
+                    raise error_for(resp.error.code, resp.error.message, resp.error.field)
+        finally:  # left early: end the call now, not when the channel closes
+            session.abort()
 
     async def result(self, request_id: str, timeout: float | None = None) -> Result:
         builder = ResultBuilder(request_id)

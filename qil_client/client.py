@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import weakref
 from typing import Iterator, Sequence
 
 import grpc
@@ -99,6 +100,9 @@ class Client:
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._md = auth_metadata(token)
         self._timeout = timeout
+        # open sessions: close() aborts them, else gRPC's thread that sends a dropped
+        # session's frames would wait on its queue forever
+        self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
 
     # -- unary
     def submit(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
@@ -159,7 +163,7 @@ class Client:
 
     def events(self, request_id: str, from_seq: int = 0, timeout: float | None = None) -> Iterator[pb.Event]:
         """The events of a request submitted earlier (replayed from ``from_seq``), to its end."""
-        session = Session(self._stub, self._md, self._t(timeout))
+        session = self.session(timeout)
         session.subscribe(request_id, from_seq)
         session.close()
         for resp in session:
@@ -178,7 +182,9 @@ class Client:
         return builder.result()
 
     def session(self, timeout: float | None = None) -> Session:
-        return Session(self._stub, self._md, self._t(timeout))
+        session = Session(self._stub, self._md, self._t(timeout))
+        self._sessions.add(session)
+        return session
 
     # -- plumbing
     def _t(self, timeout: float | None) -> float | None:
@@ -200,6 +206,8 @@ class Client:
             call.cancel()  # no-op when the call already ended
 
     def close(self) -> None:
+        for session in list(self._sessions):
+            session.abort()
         self._channel.close()
 
     def __enter__(self) -> "Client":

@@ -136,3 +136,38 @@ def test_async_client_wait_ready_and_async_with_session(server):
                 await down.wait_ready(0.5)
 
     asyncio.run(run())
+
+
+def test_closing_a_client_ends_the_sessions_it_left_open(server):
+    """A session dropped without close() or abort(): gRPC's thread that sends its frames waits on
+    the session's queue; closing the client ends it (and the server cancels its requests)."""
+    with Client(server.target, timeout=60) as warm:
+        warm.generate([1, 2], max_new_tokens=1)
+        before = threading.active_count()
+        c = Client(server.target, timeout=60)
+        for i in range(5):
+            s = c.session()
+            s.submit([4, 4, i], max_new_tokens=LONG, request_id=f"dropped-{i}")
+            _read_to_first_event(s)
+            del s
+        c.close()
+        wait_until(lambda: threading.active_count() <= before, timeout=5)
+        assert {warm.result(f"dropped-{i}", timeout=30).finish_reason for i in range(5)} == {"cancelled"}
+
+
+def test_async_events_left_early_end_their_calls(server):
+    async def run() -> None:
+        async with AsyncClient(server.target, timeout=60) as ac:
+            rid = await ac.submit([5, 5, 5], max_new_tokens=LONG, request_id="aio-events-early")
+            await asyncio.sleep(0)
+            before = len(asyncio.all_tasks())
+            for _ in range(10):
+                events = ac.events(rid)
+                async for _ev in events:
+                    break
+                await events.aclose()
+            await asyncio.sleep(0.5)
+            assert len(asyncio.all_tasks()) <= before  # no call left waiting for its status
+            await ac.cancel(rid)
+
+    asyncio.run(run())

@@ -158,3 +158,12 @@ def test_finished_requests_expire_by_age_and_a_forgotten_id_frees_its_size():
     time.sleep(0.1)
     assert kept.expired() == ["old"]
     assert len(kept) == 0 and kept.size == 0
+
+
+def test_retention_bounds_are_inclusive():
+    from qil_worker.service.request_log import Retention
+
+    kept = Retention(max_count=2, max_size=200, max_age_s=60)
+    assert kept.keep(_finished_req("a", num_tokens=100)) == []
+    assert kept.keep(_finished_req("b", num_tokens=100)) == []  # 200 tokens fit a 200 budget
+    assert len(kept) == 2 and kept.size == 200

@@ -97,6 +97,29 @@ def test_worker_exits_when_its_front_dies(tmp_path):
             front.kill()
 
 
+def test_a_process_that_exits_without_stopping_its_server_does_not_hang(model_dir):
+    """The worker ignores SIGTERM (the front owns shutdown), so multiprocessing's exit-time
+    SIGTERM-and-join used to wait forever for a server that was never stopped."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "from service_fixtures import start_server\n"
+        "srv = start_server(sys.argv[1])\n"
+        "print(srv.server.front.worker_pid, flush=True)\n"  # and exit without srv.stop()
+    )
+    tests_dir = str(Path(__file__).resolve().parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(model_dir), tests_dir], stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        worker_pid = int(proc.stdout.readline())
+        assert proc.wait(30) == 0
+        wait_until(lambda: not _alive(worker_pid), timeout=10, interval=0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_restarts_are_bounded(model_dir):
     from qil_client import pb
 
@@ -110,6 +133,34 @@ def test_restarts_are_bounded(model_dir):
             with pytest.raises(Unavailable):
                 c.generate([1, 2], max_new_tokens=2)
             assert c.info().worker.restarts == 0
+    finally:
+        srv.stop()
+
+
+def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_dir, tmp_path):
+    """A worker that served a while, then dies and cannot start again (its weights are gone):
+    the front gives up after --max-restarts attempts and stays FAILED. (A failed start's late
+    exit used to count as one more death and start the whole back-off again, forever.)"""
+    import shutil
+
+    from qil_client import pb
+
+    broken = tmp_path / "model"
+    shutil.copytree(model_dir, broken)
+    srv = start_server(broken, max_restarts=2, restart_backoff_s=0.05, stable_after_s=0.2)
+    try:
+        with Client(srv.target, timeout=30) as c:
+            time.sleep(0.5)  # longer than stable_after_s: this worker's death is not a crash loop
+            (broken / "model.safetensors").unlink()
+            fds = len(os.listdir("/proc/self/fd"))
+            os.kill(c.info().worker.pid, signal.SIGKILL)
+            wait_until(lambda: c.info().worker.state == pb.WORKER_STATE_FAILED, timeout=60)
+            time.sleep(4)  # the failed starts' exits have all arrived
+            info = c.info()
+            assert info.worker.state == pb.WORKER_STATE_FAILED and info.worker.restarts == 2
+            assert c.health() == "NOT_SERVING"
+            # the failed starts' pipes are closed (the pipe of the live server's worker too)
+            assert len(os.listdir("/proc/self/fd")) <= fds
     finally:
         srv.stop()
 

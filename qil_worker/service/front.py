@@ -77,8 +77,7 @@ class Front:
         self.info: dict[str, Any] = {}
         self.state = WorkerState.STARTING
         self.restarts = 0
-        self._failures = 0
-        self._ready_since = 0.0
+        self._failures = 0  # worker deaths in a row (reset by a worker that ran stable_after_s)
         self._gen = 0
         self._worker: WorkerProcess | None = None
         self._ready_fut: asyncio.Future | None = None
@@ -145,19 +144,24 @@ class Front:
         self._worker = worker
         log.info("worker %d started (pid %d)", worker.gen, worker.pid)
         try:
-            info = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.config.start_timeout_s)
-        except asyncio.TimeoutError:
+            try:
+                info = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.config.start_timeout_s)
+            except asyncio.TimeoutError:
+                raise WorkerFailed("worker did not become ready in time") from None
+        except BaseException as exc:
+            # A failed start is over here: its late EOF must not count as another death (nor
+            # start another restart loop), and its pipe, thread and process are released now.
+            self._worker = None
+            if isinstance(exc, asyncio.CancelledError):  # the server stops while the model loads
+                self._stopping = True  # nothing to drain, no restart
+                self._ready_fut.cancel()  # nobody awaits it any more (else its error goes unread)
             worker.kill()
-            raise WorkerFailed("worker did not become ready in time") from None
-        except asyncio.CancelledError:  # the server stops while the model loads: nothing to drain
-            self._stopping = True  # the worker's exit that follows is expected: no restart
-            self._ready_fut.cancel()  # nobody awaits it any more (else its error goes unread)
-            worker.kill()
+            loop.run_in_executor(None, worker.reap, 5.0)
             raise
         worker.info = info
+        worker.mark_ready()
         self.info = info
         self.stats = tuple(info.get("stats", self.stats))
-        self._ready_since = time.monotonic()
         self._set_state(WorkerState.READY)
         log.info(
             "worker ready (pid %d): model %s%s, dtype %s, device %s; %s; memory: %s; tokenizer: %s; "
@@ -225,9 +229,9 @@ class Front:
 
     async def _restart(self, dead: WorkerProcess) -> None:
         loop = asyncio.get_running_loop()
-        exitcode = await loop.run_in_executor(None, dead.wait_exit, 5.0)
+        exitcode = await loop.run_in_executor(None, dead.reap, 5.0)
         log.warning("worker exit code: %s", exitcode)
-        if time.monotonic() - self._ready_since > self.config.stable_after_s:
+        if dead.stable_for(self.config.stable_after_s):
             self._failures = 0
         while not self._draining:
             self._failures += 1
@@ -460,7 +464,7 @@ class Front:
                     req.listeners.discard(follower)
         result = []
         for rid in ids:
-            req = sent.pop(rid, None)
+            req = sent.get(rid)  # (an id given twice gets the same answer twice)
             active = req is not None and (
                 req.final is None or req.final[0] == CANCELLED_CODE or req.lost
             )

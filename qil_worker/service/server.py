@@ -173,11 +173,13 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None, announce
         return 2
     log.debug("front: %d start-up objects frozen for the GC", freeze_startup_heap())
     demo = " (embedded DEMO model: random weights)" if server.front.info.get("demo") else ""
-    announce(f"qil serving on {config.host}:{port}{demo}")
-    await stop.wait()
-    log.info("shutting down (grace %.1fs)", config.grace_seconds)
-    await server.shutdown()
-    log.info("stopped")
+    try:
+        announce(f"qil serving on {config.host}:{port}{demo}")  # (a closed stdout raises here)
+        await stop.wait()
+    finally:
+        log.info("shutting down (grace %.1fs)", config.grace_seconds)
+        await server.shutdown()
+        log.info("stopped")
     return 0
 
 

@@ -7,16 +7,30 @@ when the pipe ends, to a callback that the front makes thread-safe.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
 import multiprocessing
 import queue
 import threading
+import time
+import weakref
 from typing import Any, Callable
 
 from qil_worker.service import protocol as P
 
 log = logging.getLogger("qil.front")
+
+# Workers not yet reaped. The worker ignores SIGTERM (the front owns shutdown), so an interpreter
+# that exits without stopping its server (an embedding that never called stop(), an exception in
+# the front) would wait forever in multiprocessing's exit-time join: kill them first.
+_live: "weakref.WeakSet[WorkerProcess]" = weakref.WeakSet()
+_exit_hook_installed = False
+
+
+def _kill_live_workers() -> None:
+    for worker in list(_live):
+        worker.kill()
 
 
 class WorkerState(enum.IntEnum):  # numbers of qil.v1.WorkerState
@@ -37,9 +51,14 @@ class WorkerProcess:
     def __init__(self, gen: int, proc: Any, conn: Any) -> None:
         self.gen = gen
         self.proc = proc
+        self.pid: int = proc.pid
         self.conn = conn
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.info: dict[str, Any] | None = None
+        self.ready_at: float | None = None  # monotonic time it reported ready (None: never)
+        self._reap_lock = threading.Lock()  # a restart and a shutdown may both reap it
+        self._reaped = False
+        self._exitcode: int | None = None
 
     @classmethod
     def spawn(
@@ -55,15 +74,24 @@ class WorkerProcess:
         proc.start()
         child.close()  # the front keeps only its end: EOF on it means the worker is gone
         worker = cls(gen, proc, parent)
+        global _exit_hook_installed
+        if not _exit_hook_installed:  # after multiprocessing's own hook, so it runs before it
+            atexit.register(_kill_live_workers)
+            _exit_hook_installed = True
+        _live.add(worker)
         threading.Thread(target=worker._write, name="qil-worker-writer", daemon=True).start()
         threading.Thread(
             target=worker._read, args=(deliver,), name="qil-worker-reader", daemon=True
         ).start()
         return worker
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def mark_ready(self) -> None:
+        self.ready_at = time.monotonic()
+
+    def stable_for(self, seconds: float) -> bool:
+        """Whether it was ready at least ``seconds`` before now (a crash after a long good run
+        is not part of a crash loop)."""
+        return self.ready_at is not None and time.monotonic() - self.ready_at >= seconds
 
     def send(self, msg: tuple) -> None:
         self.outbox.put(msg)
@@ -72,28 +100,40 @@ class WorkerProcess:
         """Ends the writer thread once what is queued has been written."""
         self.outbox.put(None)
 
-    def wait_exit(self, timeout: float) -> int | None:
-        """Blocking: the exit code once the process has ended within ``timeout`` (else None)."""
-        self.proc.join(timeout)
-        return self.proc.exitcode
-
     def kill(self) -> None:
-        self.proc.kill()
-
-    def stop(self, timeout: float) -> None:
-        """Blocking (run it in an executor): ask the worker to stop, wait ``timeout`` seconds,
-        then kill it."""
-        self.send((P.STOP,))
-        self.close_outbox()
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            log.warning("worker did not stop; killing it")
-            self.proc.kill()
-            self.proc.join(5.0)
         try:
-            self.conn.close()
-        except OSError:
+            self.proc.kill()
+        except (OSError, ValueError):  # gone already, or reaped
             pass
+
+    def stop(self, timeout: float) -> int | None:
+        """Blocking (run it in an executor): ask the worker to stop, then ``reap`` it."""
+        self.send((P.STOP,))
+        return self.reap(timeout)
+
+    def reap(self, timeout: float) -> int | None:
+        """Blocking (run it in an executor): wait up to ``timeout`` seconds for the process to
+        end, kill it if it has not, and release its pipe, writer thread and process handle.
+        Returns the exit code."""
+        with self._reap_lock:
+            if self._reaped:
+                return self._exitcode
+            self.close_outbox()
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                log.warning("worker (pid %d) did not exit; killing it", self.pid)
+                self.proc.kill()
+                self.proc.join(5.0)
+            self._exitcode = self.proc.exitcode
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+            if self._exitcode is not None:
+                self.proc.close()
+                self._reaped = True
+                _live.discard(self)
+            return self._exitcode
 
     def _write(self) -> None:
         while True:
