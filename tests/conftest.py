@@ -57,6 +57,26 @@ def ref(tiny_dir):
     return load_reference(tiny_dir)
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The service tests' checkpoint (``service_fixtures.make_service_checkpoint``), built once;
+    tests that change a model directory copy it first."""
+    from service_fixtures import make_service_checkpoint
+
+    return make_service_checkpoint(tmp_path_factory.mktemp("service-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """A real server (front and worker process) on ``model_dir``, one per module; modules that
+    need other flags define their own."""
+    from service_fixtures import start_server
+
+    srv = start_server(model_dir)
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="module")
 def client(server):
     """A client of the requesting module's ``server`` fixture (a real server, service tests)."""

@@ -15,17 +15,10 @@ import pytest
 from qil_client import AsyncClient, Client, DeadlineExceeded, pb
 from qil_client._channel import resolve_target
 from qil_client.results import ResultBuilder
-from service_fixtures import make_service_checkpoint, start_server, wait_until
+from service_fixtures import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG = 6000  # tokens: still running when the session is left (tiny model: ~1 ms per step)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_server(make_service_checkpoint(tmp_path_factory.mktemp("fix-model")))
-    yield srv
-    srv.stop()
 
 
 def _client_cli(*args: str) -> subprocess.CompletedProcess:

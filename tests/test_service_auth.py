@@ -11,15 +11,10 @@ import grpc
 import pytest
 
 from qil_client import TLS, Client, ResourceExhausted, Unauthenticated, Unavailable
-from service_fixtures import make_service_checkpoint, start_server, wait_until
+from service_fixtures import start_server, wait_until
 
 TOKEN = "s3cret-token"
 SMALL = dict(num_pages=1024, page_size=16, token_budget=128, prefill_chunk=64, max_active=2)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_service_checkpoint(tmp_path_factory.mktemp("svc-auth-model"))
 
 
 @pytest.fixture(scope="module")

@@ -25,19 +25,7 @@ from qil_client import (
     pb,
 )
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
-from service_fixtures import make_service_checkpoint, start_server, wait_until
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_service_checkpoint(tmp_path_factory.mktemp("contract-model"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    srv = start_server(model_dir)
-    yield srv
-    srv.stop()
+from service_fixtures import start_server, wait_until
 
 
 def test_cancelling_an_id_twice_reports_it_active_both_times(server):

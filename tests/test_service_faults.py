@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qil_client import Client, Unavailable
-from service_fixtures import make_service_checkpoint, start_server, wait_until
+from service_fixtures import start_server, wait_until
 
 LONG = 6000
 
@@ -29,11 +29,6 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_service_checkpoint(tmp_path_factory.mktemp("svc-fault-model"))
 
 
 def test_sigkill_worker_mid_stream_then_recover(model_dir):

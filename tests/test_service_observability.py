@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from qil_client import Client, NotFound
-from service_fixtures import make_service_checkpoint, serve_process, start_server, wait_until
+from service_fixtures import serve_process, start_server, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,11 +43,6 @@ def scrape(port: int) -> dict[str, float]:
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_service_checkpoint(tmp_path_factory.mktemp("svc-obs-model"))
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,9 @@ from contextlib import contextmanager
 import pytest
 
 from qil_client import Client, DeadlineExceeded, InvalidArgument, QilError, pb
-from service_fixtures import MAX_POSITIONS, make_service_checkpoint, start_server, wait_until
+from service_fixtures import MAX_POSITIONS, start_server, wait_until
 
 INVALID_ARGUMENT, UNAVAILABLE = 3, 14
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_service_checkpoint(tmp_path_factory.mktemp("svc-races-model"))
 
 
 @contextmanager

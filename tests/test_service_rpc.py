@@ -23,25 +23,11 @@ from service_fixtures import (
     ENGINE,
     MAX_POSITIONS,
     POOL_TOKENS,
-    make_service_checkpoint,
     reference_outputs,
-    start_server,
     wait_until,
 )
 
 LONG = 6000  # tokens: long enough to be cancelled mid-way (tiny model: ~1 ms per step)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_service_checkpoint(tmp_path_factory.mktemp("svc-model"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    srv = start_server(model_dir)
-    yield srv
-    srv.stop()
 
 
 def pages_used(client: Client) -> int:
