@@ -16,8 +16,6 @@ from typing import Any, Callable, Iterable
 from qil_worker.errors import CapacityError
 from qil_worker.service import limits
 from qil_worker.service import protocol as P
-from qil_worker.service.request_log import Follower, Req, Retention
-from qil_worker.service.worker_process import WorkerFailed, WorkerProcess, WorkerState
 from qil_worker.service.errors import (
     ServiceError,
     already_exists,
@@ -27,6 +25,8 @@ from qil_worker.service.errors import (
     resource_exhausted,
     unavailable,
 )
+from qil_worker.service.request_log import Follower, Req, Retention
+from qil_worker.service.worker_process import WorkerFailed, WorkerProcess, WorkerState
 
 log = logging.getLogger("qil.front")
 
