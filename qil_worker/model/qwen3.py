@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 class DecoderLayer(nn.Module):
     """Pre-norm attention block and MLP block, each with a residual."""
 
-    def __init__(self, index: int, config: Qwen3Config, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, index: int, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
+        fused: bool | None = None,
+    ) -> None:
         super().__init__()
         c = config
         self.index = index
@@ -51,7 +54,7 @@ class DecoderLayer(nn.Module):
         # On CUDA one wide matmul saves launches; on CPU the split matmuls are faster (measured:
         # fused [1024 x 6144] gate/up took 74-101 ms vs 2 x 34 ms split, 2 threads), so the fused
         # weights are used through contiguous row slices there.
-        self.fused = device.type == "cuda"
+        self.fused = device.type == "cuda" if fused is None else fused
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, dtype, device, fused=self.fused)
         qkv = self.qkv.data
@@ -94,7 +97,12 @@ class DecoderLayer(nn.Module):
 class Qwen3(nn.Module):
     """Qwen3 dense causal LM: embedding, decoder layers, final norm, tied or untied LM head."""
 
-    def __init__(self, config: Qwen3Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: Qwen3Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+        fused_projections: bool | None = None,
+    ) -> None:
+        """``fused_projections``: one matmul for q/k/v and one for gate/up (default: on CUDA
+        only, where it saves launches; True elsewhere runs the CUDA wiring, for tests)."""
         super().__init__()
         self.config = config
         device = torch.device(device)
@@ -103,7 +111,9 @@ class Qwen3(nn.Module):
         self.embed = nn.Parameter(
             cpu_memory.empty((config.vocab_size, config.hidden_size), dtype, device), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(i, config, dtype, device) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(i, config, dtype, device, fused_projections) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (
             None
@@ -133,12 +143,14 @@ class Qwen3(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | str | None = None,
         pack_weights: bool = True,
+        fused_projections: bool | None = None,
     ) -> "Qwen3":
         """Load a Hugging Face Qwen3 directory strictly (see ``loader.load_weights``).
 
         ``device`` defaults to CPU; ``dtype`` to bfloat16 on CUDA and float32 elsewhere
         (``"auto"`` takes the checkpoint's own dtype). ``pack_weights``: on CPU, pack the
         weights for oneDNN after loading (``pack_weights()``); False keeps the plain parameters.
+        ``fused_projections``: see ``Qwen3``.
         """
         from qil_worker.model.loader import load_weights, stored_dtype
 
@@ -147,7 +159,10 @@ class Qwen3(nn.Module):
         checkpoint_dtype = config.torch_dtype
         if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
             checkpoint_dtype = stored_dtype(Path(path))
-        model = cls(config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype))
+        model = cls(
+            config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
+            fused_projections=fused_projections,
+        )
         load_weights(model, Path(path))
         if pack_weights:
             model.pack_weights()
