@@ -81,6 +81,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from qil_worker.text import load_tokenizer
     from qil_worker.text.tokenizer import has_tokenizer_files
 
+    if args.chat and args.prompt is None:
+        print("error: --chat goes with --prompt (a text to send as a user message)", file=sys.stderr)
+        return 2
     try:
         tokenizer_dir = args.tokenizer or args.model
         tokenizer = None
@@ -123,9 +126,10 @@ def run_generate(args: argparse.Namespace) -> int:
         "completion_time_s": result.completion_time,
         "mean_inter_token_latency_s": result.mean_inter_token_latency,
     }
+    failed = 1 if result.finish_reason.value not in ("stop", "length") else 0  # as the client CLI
     if args.json:
         print(json.dumps({"output_token_ids": result.output_token_ids, "text": result.output_text, **metrics}))
-        return 0
+        return failed
     itl = metrics["mean_inter_token_latency_s"]
     print()
     print(f"tokens: {result.output_token_ids}")
@@ -133,5 +137,6 @@ def run_generate(args: argparse.Namespace) -> int:
         f"finish: {metrics['finish_reason']}  prompt {metrics['prompt_tokens']} / output "
         f"{metrics['output_tokens']} tokens  TTFT {result.ttft:.3f}s  total {result.completion_time:.3f}s"
         + (f"  ITL {itl * 1000:.1f}ms" if itl is not None else "")
+        + (f"  error: {result.error}" if result.error else "")
     )
-    return 0
+    return failed

@@ -289,6 +289,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch.set_num_threads")
     args = p.parse_args(argv)
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not args.cases:
+        p.error("--cases: need at least one case")
     for c in args.cases:
         if c not in CASES:
             p.error(f"--cases: unknown case {c!r}; choose from {', '.join(CASES)}")
