@@ -132,10 +132,20 @@ def _raising(exc):
     return forward
 
 
-def test_out_of_memory_in_a_step_fails_that_step_only(model, monkeypatch):
+def _accelerator_error(message):
+    return getattr(torch, "AcceleratorError", RuntimeError)(message)
+
+
+@pytest.mark.parametrize("error", [
+    lambda: torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    lambda: _accelerator_error("CUDA error: out of memory"),
+    lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+])
+def test_a_passing_device_error_fails_that_step_only(model, monkeypatch, error):
+    """Memory pressure is not a dead device: the next step may fit."""
     engine = Engine(model, num_pages=64, page_size=4, max_active=1)
     a, b = engine.submit([1, 2, 3], max_new_tokens=4), engine.submit([4, 5], max_new_tokens=4)
-    monkeypatch.setattr(model, "forward", _raising(torch.cuda.OutOfMemoryError("CUDA out of memory")))
+    monkeypatch.setattr(model, "forward", _raising(error()))
     events = engine.step()
     monkeypatch.undo()
     assert [(e.request_id, e.finish_reason) for e in events] == [(a, FinishReason.ERROR)]

@@ -356,3 +356,17 @@ def test_the_worker_exits_on_stop_without_being_killed(model_dir):
     assert time.monotonic() - t0 < 8
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_finished_requests_beyond_the_retention_count_are_forgotten(model_dir):
+    srv = start_server(model_dir, retain_finished=2)
+    try:
+        with Client(srv.target, timeout=30) as c:
+            for i in range(4):
+                c.generate([1, 2, i], max_new_tokens=2, request_id=f"kept-{i}")
+            for i in (0, 1):
+                with pytest.raises(NotFound):
+                    c.result(f"kept-{i}")
+            assert [c.result(f"kept-{i}").num_output_tokens for i in (2, 3)] == [2, 2]
+    finally:
+        srv.stop()

@@ -105,6 +105,9 @@ class DecodeGraphs:
         )
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # one capture stream for every graph: the allocator reuses a pool's blocks only on the
+        # stream they were captured on, so graphs on separate streams would not share memory
+        self._stream = torch.cuda.Stream(device) if self.capture else None
         self.capture_seconds = 0.0
         self.steps = 0  # decode steps run through this path
 
@@ -199,7 +202,7 @@ class DecodeGraphs:
         # On the model's device even when it is not the current one (cuda:1): kernels go to the
         # current stream of their tensors' device, and only that stream's work is captured.
         with torch.cuda.device(self.model.device):
-            side = torch.cuda.Stream(self.model.device)
+            side = self._stream
             side.wait_stream(torch.cuda.current_stream(self.model.device))
             with torch.cuda.stream(side):  # warm up outside capture (lazy init, workspace sizes)
                 self._body(shape)

@@ -39,17 +39,22 @@ log = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 512  # decode steps with more requests than this run eagerly
 
 
+# CUDA's sticky errors, as its runtime words them: after one of these every later call on the
+# device fails too. Others (out of memory, a cuBLAS allocation failure) pass with the step.
+STICKY_CUDA_ERRORS = (
+    "illegal memory access", "device-side assert", "unspecified launch failure",
+    "misaligned address", "illegal instruction", "hardware stack error", "invalid program counter",
+    "launch timed out", "uncorrectable ECC error", "uncorrectable NVLink error",
+)
+
+
 def device_unusable(exc: BaseException) -> bool:
-    """Whether a failed step left the device unusable: CUDA reports an illegal memory access, a
-    device-side assert or a launch failure once, and every later call fails too (torch raises
-    ``AcceleratorError``; older versions a RuntimeError saying "CUDA error"). Running out of
-    memory is not one: the next step may fit."""
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
+    """Whether a failed step left the device unusable (torch raises ``AcceleratorError``, older
+    versions a RuntimeError, with CUDA's message)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or not isinstance(exc, RuntimeError):
         return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
+    message = str(exc)
+    return "CUDA error" in message and any(cause in message for cause in STICKY_CUDA_ERRORS)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def size_pool(
         raise ValueError(f"kv memory fraction must be in (0, 1), got {memory_fraction}")
     if model.device.type != "cuda":
         raise ValueError("a kv memory fraction needs a CUDA device; give a byte budget instead")
-    peak = _warm_up(model, page_size, warmup_tokens)
+    warmup_tokens, peak = _warm_up(model, page_size, warmup_tokens)
     free, total = torch.cuda.mem_get_info(model.device)
     budget = int(max(0, free - peak) * memory_fraction)
     if budget < (1 + reserved_pages) * page_bytes:
@@ -100,10 +100,11 @@ def size_pool(
     )
 
 
-def _warm_up(model: Qwen3, page_size: int, tokens: int) -> int:
-    """Run one ``tokens``-token step on a throwaway pool; returns the bytes it allocated at its
-    peak beyond the weights and that pool (activations, attention workspace, logits). The
-    allocator's cache is emptied after, so free memory is read without it."""
+def _warm_up(model: Qwen3, page_size: int, tokens: int) -> tuple[int, int]:
+    """Run one ``tokens``-token step (fewer if the model has fewer positions) on a throwaway
+    pool; returns the tokens it ran and the bytes it allocated at its peak beyond the weights and
+    that pool (activations, attention workspace, logits). The allocator's cache is emptied
+    after, so free memory is read without it."""
     from qil_worker.engine.engine import Engine
 
     device = model.device
@@ -120,4 +121,4 @@ def _warm_up(model: Qwen3, page_size: int, tokens: int) -> int:
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before - pages * bytes_per_page(model, page_size)
     torch.cuda.empty_cache()
-    return max(0, peak)
+    return tokens, max(0, peak)

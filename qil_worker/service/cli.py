@@ -44,7 +44,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     pool.add_argument(
         "--kv-memory-fraction", type=_fraction, default=None, metavar="F",
         help="size the KV pool from this fraction of the free device memory after loading the "
-        "model (CUDA only)",
+        "model, less the activation peak of a --token-budget step (CUDA only)",
     )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--token-budget", type=int, default=512)
