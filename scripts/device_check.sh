@@ -61,16 +61,16 @@ for page in (16, 64, 256):
         why = probe_varlen(torch.device("cuda"), torch.bfloat16, page, 16, 8, 128, mode)
         print(f"varlen attention {mode}, page size {page}:", why or "OK")'
     # the page size the paged varlen kernel accepts (if any) is used for the benchmarks
-    page=$("$py" -c '
+    page=$(timeout 120 "$py" -c '
 import torch
 from qil_worker.model.varlen import probe_varlen
 ok = [p for p in (16, 64, 256) if probe_varlen(torch.device("cuda"), torch.bfloat16, p, 16, 8, 128) is None]
 print(ok[0] if ok else 16)' 2>/dev/null || echo 16)
     echo "benchmark page size: $page"
-    packed=$("$py" -c '
+    packed=$(timeout 120 "$py" -c '
 import torch
 from qil_worker.model.varlen import PACKED, probe_varlen
-print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, PACKED) or "ok")' 2>/dev/null)
+print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, PACKED) or "ok")' 2>/dev/null || echo "probe failed")
     echo "packed varlen attention: $packed"
 
     run "engine tests on CUDA" 150 check tests.log "passed|failed|error|skipped|available|^FAILED" \
