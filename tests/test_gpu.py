@@ -50,6 +50,7 @@ def test_memory_fraction_leaves_room_for_the_largest_step(model):
     and a step of that size then runs beside the pool."""
     from qil_worker.engine.memory import bytes_per_page, size_pool
 
+    torch.cuda.empty_cache()  # as size_pool does after its warm-up: earlier tests' cache is freed
     free_before, _ = torch.cuda.mem_get_info(model.device)
     size = size_pool(model, 16, memory_fraction=0.002, warmup_tokens=256)
     assert "activation peak of a 256-token step" in size.reason
