@@ -289,7 +289,7 @@ class Runner:
                 rec.accepted = True
                 check.add(ev, time.perf_counter())
                 if ev.finished:
-                    break
+                    continue  # read on: the server ends the stream here, and anything more is a fault
                 if len(check.tokens) >= after:
                     if rec.kind == "disconnect":
                         left = True
