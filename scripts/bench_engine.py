@@ -109,7 +109,8 @@ def ensure_model(path: Path, shape: dict) -> Path:
 def qil_run(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     """Submit all prompts at once, step to completion; per-request first/last token times."""
     t0 = time.perf_counter()
-    ids = [engine.submit(p, max_new_tokens=new_tokens) for p in prompts]
+    # every request makes all its tokens, as transformers' run with min_new_tokens does (EOS masked)
+    ids = [engine.submit(p, max_new_tokens=new_tokens, min_new_tokens=new_tokens) for p in prompts]
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     outputs: dict[str, list[int]] = {i: [] for i in ids}

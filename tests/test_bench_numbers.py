@@ -159,6 +159,21 @@ def test_the_median_run_is_kept():
     assert be.median_run(lambda: next(runs), 3)[0]["wall"] == 2
 
 
+def test_qil_runs_make_every_token_as_the_transformers_runs_do(monkeypatch):
+    """transformers runs with min_new_tokens=n (EOS masked); qil must too, or a checkpoint that
+    emits EOS would make qil's runs shorter and its tok/s look better."""
+    asked = []
+
+    class RecordingEngine(FakeEngine):
+        def submit(self, prompt, max_new_tokens, **kwargs):
+            asked.append(kwargs)
+            return super().submit(prompt, max_new_tokens)
+
+    result = be.qil_run(RecordingEngine(None), [[1, 2], [3]], 3)
+    assert [kw.get("min_new_tokens") for kw in asked] == [3, 3]
+    assert [len(t) for t in result["tokens"]] == [3, 3]
+
+
 def test_agreement_divides_by_the_reference_length():
     assert be.agreement([[1, 2, 3]], [[1, 2]]) == pytest.approx(2 / 3)
 
