@@ -145,12 +145,9 @@ def test_tls(model_dir, tmp_path):
          "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
         check=True, capture_output=True,
     )
-    srv = start_server(model_dir, engine=SMALL, tls_cert=str(cert), tls_key=str(key))
-    try:
+    with start_server(model_dir, engine=SMALL, tls_cert=str(cert), tls_key=str(key)) as srv:
         with Client(srv.target, tls=TLS(root_certificates=str(cert)), timeout=30) as c:
             assert c.generate([1, 2], max_new_tokens=2).finish_reason == "length"
         with Client(srv.target, timeout=5) as plain:  # plaintext to a TLS port fails
             with pytest.raises(Unavailable):
                 plain.info()
-    finally:
-        srv.stop()

@@ -38,15 +38,12 @@ def test_cancelling_an_id_twice_reports_it_active_both_times(server):
 
 def test_prompt_plus_max_new_equal_to_positions_is_accepted(tmp_path):
     from checkpoints import make_checkpoint
-    srv = start_server(make_checkpoint(tmp_path / "m", seed=0, max_position_embeddings=64))
-    try:
+    with start_server(make_checkpoint(tmp_path / "m", seed=0, max_position_embeddings=64)) as srv:
         with Client(srv.target, timeout=30) as c:
             r = c.generate([1] * 60, max_new_tokens=4, ignore_eos=True)
             assert r.finish_reason == "length" and r.num_output_tokens == 4
             with pytest.raises(InvalidArgument):
                 c.generate([1] * 61, max_new_tokens=4)
-    finally:
-        srv.stop()
 
 
 def test_request_id_of_exactly_the_maximum_length_is_accepted(server):
@@ -74,27 +71,21 @@ def _paused_then_killed(c, action):
 
 
 def test_cancel_in_flight_when_the_worker_dies_reports_was_active(model_dir):
-    srv = start_server(model_dir, restart_backoff_s=0.2)
-    try:
+    with start_server(model_dir, restart_backoff_s=0.2) as srv:
         with Client(srv.target, timeout=30) as c:
             rid = c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True, request_id="victim")
             out, _ = _paused_then_killed(c, lambda: c.cancel(rid))
             assert out.get("value") == {rid: True}, out
-    finally:
-        srv.stop()
 
 
 def test_submit_in_flight_when_the_worker_dies_is_unavailable_at_once(model_dir):
-    srv = start_server(model_dir, restart_backoff_s=0.2)
-    try:
+    with start_server(model_dir, restart_backoff_s=0.2) as srv:
         with Client(srv.target, timeout=30) as c:
             out, waited = _paused_then_killed(
                 c, lambda: c.submit([1, 2, 3], max_new_tokens=4, request_id="pending", timeout=20))
             assert isinstance(out.get("error"), Unavailable) and waited < 5, (out, waited)
             with pytest.raises(NotFound):  # a submit that failed leaves no request behind
                 c.result("pending")
-    finally:
-        srv.stop()
 
 
 def test_shutdown_past_the_grace_period_ends_streams_with_a_cancelled_event(model_dir):
@@ -116,8 +107,7 @@ def test_shutdown_past_the_grace_period_ends_streams_with_a_cancelled_event(mode
 
 
 def test_max_restarts_allows_exactly_that_many_quick_restarts(model_dir):
-    srv = start_server(model_dir, max_restarts=1, restart_backoff_s=0.1)
-    try:
+    with start_server(model_dir, max_restarts=1, restart_backoff_s=0.1) as srv:
         with Client(srv.target, timeout=30) as c:
             pid = c.info().worker.pid
             os.kill(pid, signal.SIGKILL)
@@ -126,8 +116,6 @@ def test_max_restarts_allows_exactly_that_many_quick_restarts(model_dir):
             os.kill(c.info().worker.pid, signal.SIGKILL)  # dies again at once: a crash loop
             wait_until(lambda: c.info().worker.state == pb.WORKER_STATE_FAILED, timeout=30)
             assert c.info().worker.restarts == 1 and c.health() == "NOT_SERVING"
-    finally:
-        srv.stop()
 
 
 def test_subscribe_at_the_exact_end_of_a_finished_request_gets_its_final_event(server):
@@ -138,8 +126,7 @@ def test_subscribe_at_the_exact_end_of_a_finished_request_gets_its_final_event(s
 
 
 def test_stats_reset_when_the_worker_is_gone(model_dir):
-    srv = start_server(model_dir, max_restarts=0)
-    try:
+    with start_server(model_dir, max_restarts=0) as srv:
         with Client(srv.target, timeout=30) as c:
             c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True)
             wait_until(lambda: c.info().pages.used > 0 and c.info().num_running == 1)
@@ -147,8 +134,6 @@ def test_stats_reset_when_the_worker_is_gone(model_dir):
             wait_until(lambda: c.info().worker.state == pb.WORKER_STATE_FAILED, timeout=15)
             info = c.info()
             assert info.pages.used == 0 and info.num_running == 0 and info.pages.free == info.pages.total
-    finally:
-        srv.stop()
 
 
 SLOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 2048)]
@@ -217,8 +202,7 @@ def test_a_session_that_falls_behind_does_not_cancel_requests_it_only_watches(mo
 
 
 def test_a_submit_whose_caller_left_before_the_ack_does_not_run_on(model_dir):
-    srv = start_server(model_dir)
-    try:
+    with start_server(model_dir) as srv:
         with Client(srv.target, timeout=30) as c:
             pid = c.info().worker.pid
             os.kill(pid, signal.SIGSTOP)
@@ -229,8 +213,6 @@ def test_a_submit_whose_caller_left_before_the_ack_does_not_run_on(model_dir):
                 os.kill(pid, signal.SIGCONT)
             wait_until(lambda: c.info().num_unfinished == 0, timeout=5)
             assert c.result("gone").finish_reason == "cancelled"
-    finally:
-        srv.stop()
 
 
 def test_error_details_name_the_field_once(server):
@@ -249,16 +231,13 @@ def test_a_duplicate_reported_by_the_engine_is_already_exists():
 
 
 def test_a_token_that_only_starts_with_the_right_one_is_refused(model_dir):
-    srv = start_server(model_dir, auth_token="s3cret")
-    try:
+    with start_server(model_dir, auth_token="s3cret") as srv:
         for bad in ("s3cret-and-more", "s3cre"):
             with Client(srv.target, token=bad, timeout=10) as c:
                 with pytest.raises(Unauthenticated):
                     c.info()
         with Client(srv.target, token="s3cret", timeout=10) as c:
             c.info()
-    finally:
-        srv.stop()
 
 
 def test_stop_string_limits_are_inclusive():
@@ -359,8 +338,7 @@ def test_the_worker_exits_on_stop_without_being_killed(model_dir):
 
 
 def test_finished_requests_beyond_the_retention_count_are_forgotten(model_dir):
-    srv = start_server(model_dir, retain_finished=2)
-    try:
+    with start_server(model_dir, retain_finished=2) as srv:
         with Client(srv.target, timeout=30) as c:
             for i in range(4):
                 c.generate([1, 2, i], max_new_tokens=2, request_id=f"kept-{i}")
@@ -368,5 +346,3 @@ def test_finished_requests_beyond_the_retention_count_are_forgotten(model_dir):
                 with pytest.raises(NotFound):
                     c.result(f"kept-{i}")
             assert [c.result(f"kept-{i}").num_output_tokens for i in (2, 3)] == [2, 2]
-    finally:
-        srv.stop()

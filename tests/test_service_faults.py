@@ -32,8 +32,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkill_worker_mid_stream_then_recover(model_dir):
-    srv = start_server(model_dir, restart_backoff_s=0.5)
-    try:
+    with start_server(model_dir, restart_backoff_s=0.5) as srv:
         with Client(srv.target, timeout=60) as c:
             info = c.info()
             pid = info.worker.pid
@@ -63,8 +62,6 @@ def test_sigkill_worker_mid_stream_then_recover(model_dir):
             r = c.generate([1, 2, 3], max_new_tokens=5)
             assert r.finish_reason == "length" and len(r.token_ids) == 5
             assert not _alive(pid)
-    finally:
-        srv.stop()
 
 
 def test_worker_exits_when_its_front_dies(tmp_path):
@@ -118,8 +115,7 @@ def test_a_process_that_exits_without_stopping_its_server_does_not_hang(model_di
 def test_restarts_are_bounded(model_dir):
     from qil_client import pb
 
-    srv = start_server(model_dir, max_restarts=0)
-    try:
+    with start_server(model_dir, max_restarts=0) as srv:
         with Client(srv.target, timeout=30) as c:
             pid = c.info().worker.pid
             os.kill(pid, signal.SIGKILL)
@@ -128,8 +124,6 @@ def test_restarts_are_bounded(model_dir):
             with pytest.raises(Unavailable):
                 c.generate([1, 2], max_new_tokens=2)
             assert c.info().worker.restarts == 0
-    finally:
-        srv.stop()
 
 
 def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_dir, tmp_path):
@@ -142,8 +136,7 @@ def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_di
 
     broken = tmp_path / "model"
     shutil.copytree(model_dir, broken)
-    srv = start_server(broken, max_restarts=2, restart_backoff_s=0.05, stable_after_s=0.2)
-    try:
+    with start_server(broken, max_restarts=2, restart_backoff_s=0.05, stable_after_s=0.2) as srv:
         with Client(srv.target, timeout=30) as c:
             time.sleep(0.5)  # longer than stable_after_s: this worker's death is not a crash loop
             (broken / "model.safetensors").unlink()
@@ -156,8 +149,6 @@ def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_di
             assert c.health() == "NOT_SERVING"
             # the failed starts' pipes are closed (the pipe of the live server's worker too)
             assert len(os.listdir("/proc/self/fd")) <= fds
-    finally:
-        srv.stop()
 
 
 # ---------------------------------------------------------------- more faults (issue #6)
@@ -194,8 +185,7 @@ def test_sigkill_worker_during_prefill_and_decode(model_dir):
     is killed: every call ends UNAVAILABLE at once, the worker comes back, tokens are right."""
     engine = dict(ENGINE, token_budget=64, prefill_chunk=32)
     port = _free_port()
-    srv = start_server(model_dir, engine=engine, restart_backoff_s=0.2, metrics_port=port)
-    try:
+    with start_server(model_dir, engine=engine, restart_backoff_s=0.2, metrics_port=port) as srv:
         with Client(srv.target, timeout=60) as c:
             pid = c.info().worker.pid
             prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
@@ -236,8 +226,6 @@ def test_sigkill_worker_during_prefill_and_decode(model_dir):
             assert m["qil_worker_restarts_total"] == 1
             assert m['qil_requests_finished_total{reason="error"}'] == 4  # the 4 lost requests
             assert m['qil_requests_finished_total{reason="length"}'] == 2
-    finally:
-        srv.stop()
     assert not _alive(pid)
 
 

@@ -51,8 +51,7 @@ def has_event(frames: list) -> bool:
 
 
 def test_a_refused_submit_whose_caller_left_is_forgotten_and_ends_its_watchers(model_dir):
-    srv = start_server(model_dir)
-    try:
+    with start_server(model_dir) as srv:
         with Client(srv.target, timeout=30) as c:
             bad_token = c.info().model.vocab_size + 5
             watcher_frames: list = []
@@ -84,13 +83,10 @@ def test_a_refused_submit_whose_caller_left_is_forgotten_and_ends_its_watchers(m
             assert len(result.token_ids) == 3
             info = c.info()
             assert info.num_unfinished == 0 and info.pages.used == 0
-    finally:
-        srv.stop()
 
 
 def test_subscribing_ahead_of_a_request_that_ends_shorter_is_refused_in_band(model_dir):
-    srv = start_server(model_dir)
-    try:
+    with start_server(model_dir) as srv:
         with Client(srv.target, timeout=30) as c:
             frames: list = []
             with worker_paused(c):  # the request is known to the front, not yet run
@@ -109,13 +105,10 @@ def test_subscribing_ahead_of_a_request_that_ends_shorter_is_refused_in_band(mod
             assert [f.WhichOneof("frame") for f in frames[:-1]] == ["error"]
             assert errors[0].code == INVALID_ARGUMENT and errors[0].field == "from_seq"
             assert "past the end (5)" in errors[0].message
-    finally:
-        srv.stop()
 
 
 def test_a_late_subscription_to_a_request_lost_with_the_worker_ends_only_that_request(model_dir):
-    srv = start_server(model_dir, restart_backoff_s=0.2)
-    try:
+    with start_server(model_dir, restart_backoff_s=0.2) as srv:
         with Client(srv.target, timeout=60) as c:
             old_pid = c.info().worker.pid
             lost = c.stream([1, 2, 3], max_new_tokens=6000, ignore_eos=True, request_id="lost")
@@ -141,8 +134,6 @@ def test_a_late_subscription_to_a_request_lost_with_the_worker_ends_only_that_re
             assert sum(len(e.token_ids) for e in lost_events) >= produced  # its tokens replayed
             mine = [e for e in events if e.request_id == "mine"]
             assert mine[-1].finish_reason == pb.FINISH_REASON_LENGTH and mine[-1].num_output_tokens == 500
-    finally:
-        srv.stop()
 
 
 def test_a_drain_refuses_a_session_submit_in_band_and_lets_the_session_finish(model_dir):
@@ -177,8 +168,7 @@ def test_a_drain_refuses_a_session_submit_in_band_and_lets_the_session_finish(mo
 def test_a_prompt_beyond_the_models_positions_is_refused_by_the_front(model_dir):
     """The front knows the model's positions: such a prompt never reaches the worker (millions
     of ids took it seconds to receive), with the answer the engine would give."""
-    srv = start_server(model_dir)
-    try:
+    with start_server(model_dir) as srv:
         with Client(srv.target, timeout=30) as c:
             with worker_paused(c):  # a prompt sent on to the worker would time out here
                 with pytest.raises(InvalidArgument) as info:
@@ -186,5 +176,3 @@ def test_a_prompt_beyond_the_models_positions_is_refused_by_the_front(model_dir)
             assert info.value.field == "max_new_tokens"
             assert f"= {MAX_POSITIONS + 1} exceeds the model's {MAX_POSITIONS} positions" in str(info.value)
             assert c.info().num_unfinished == 0
-    finally:
-        srv.stop()

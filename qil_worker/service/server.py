@@ -234,6 +234,12 @@ class ServerThread:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)
 
+    def __enter__(self) -> "ServerThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     @property
     def target(self) -> str:
         return f"{self.config.host}:{self.port}"
