@@ -131,6 +131,19 @@ def test_async_client_wait_ready_and_async_with_session(server):
     asyncio.run(run())
 
 
+def test_client_wait_ready_returns_when_serving_and_times_out_when_nothing_listens(server):
+    import time
+
+    with Client(server.target, timeout=60) as c:
+        c.wait_ready(30)  # returns: the server is SERVING
+        assert c.health() == "SERVING"
+    with Client("127.0.0.1:1") as down:  # nothing listens there
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            down.wait_ready(0.5)
+        assert time.monotonic() - t0 < 10  # gives up near its timeout, not the health call's 5 s
+
+
 def test_closing_a_client_ends_the_sessions_it_left_open(server):
     """A session dropped without close() or abort(): gRPC's thread that sends its frames waits on
     the session's queue; closing the client ends it (and the server cancels its requests)."""
