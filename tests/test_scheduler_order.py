@@ -76,3 +76,19 @@ def test_a_newcomer_shares_prefix_pages_a_running_prefill_fills_in_the_same_step
     assert engine.result(c).num_cached_tokens == 16
     run_to_completion(engine)
     assert engine.result(c).output_token_ids == reference_greedy(ref, prefix + [5, 6], 3)
+
+
+def test_a_preempted_request_counts_once_for_the_hit_rate_and_its_cached_tokens(model):
+    """Re-admitted after preemption, a request finds its own prompt pages in the cache; that is
+    not a prefix hit (its prompt would count twice and the rate would rise with preemptions)."""
+    engine = Engine(model, num_pages=8, page_size=4, token_budget=64, prefill_chunk=64)
+    engine.submit([80 + i for i in range(8)], max_new_tokens=1)
+    run_to_completion(engine)  # its cached pages are the oldest: evicted first
+    a = engine.submit([i for i in range(8)], max_new_tokens=8)  # 4 pages at most
+    victim = engine.submit([40 + i for i in range(16)], max_new_tokens=6)  # 4 prompt pages
+    while engine.result(victim).num_preemptions == 0:
+        engine.step()  # a's 4th page: the victim is preempted, its prompt pages stay cached
+    run_to_completion(engine)  # a finishes; the victim comes back onto its own prompt pages
+    assert engine.result(victim).finish_reason.value == "length"
+    assert engine.result(victim).num_cached_tokens == 0
+    assert engine.stats().prefix_cache_hit_rate == 0.0

@@ -69,7 +69,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_pages_cached: int = 0  # idle pages kept for their prefix (counted as free)
-    prefix_cache_hit_rate: float = 0.0  # cached / all prompt tokens of admitted requests
+    prefix_cache_hit_rate: float = 0.0  # cached / all prompt tokens, each request's first admission
     schedule_policy: str = "fcfs"  # admission order of waiting requests
 
 

@@ -36,7 +36,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     page_hashes: list[int] = field(default_factory=list)  # chained hashes of full prompt pages
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     status: RequestStatus = RequestStatus.WAITING
     admitted_seq: int = -1  # admission order: the most recent one is preempted first
     times_bypassed: int = 0  # waiting: how often a later request was admitted first (shortest-first)

@@ -159,9 +159,12 @@ class Scheduler:
                     self._release_pages(request)
                     request.num_computed_tokens = 0
                 break
-            if self.prefix_cache is not None:
-                self.prefix_cache.record(len(request.prompt_token_ids), cached)
-            request.num_cached_tokens = cached
+            if request.admitted_seq < 0:
+                # first admission only: a preempted request finding its own pages again would
+                # count its prompt twice and inflate the hit rate (vLLM reports it this way too)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.record(len(request.prompt_token_ids), cached)
+                request.num_cached_tokens = cached
             self._take_from_queue(request)
             request.status = RequestStatus.RUNNING
             request.admitted_seq = self._admissions
