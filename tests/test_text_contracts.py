@@ -93,3 +93,27 @@ def test_empty_text_is_refused_naming_text(tok):
     with pytest.raises(InvalidRequestError) as info:
         encode_prompt(tok, text="")
     assert info.value.field == "text"
+
+
+def test_a_worker_exits_without_waiting_for_a_prompt_still_being_encoded():
+    """The worker closes its encoder on STOP; a 16 MiB prompt can take many seconds to encode,
+    and the process must not wait for it to end (it did: the pool's thread was joined at exit)."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import time\n"
+        "from qil_worker.service.prompt_encoder import PromptEncoder\n"
+        "class Slow:\n"
+        "    def encode(self, text, add_special_tokens=False):\n"
+        "        time.sleep(30); return [1]\n"
+        "enc = PromptEncoder(Slow())\n"
+        "enc.start(('s', 'r1', None, 4, [], {'text': 'x' * 20000}))\n"
+        "time.sleep(0.2)\n"
+        "enc.close()\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 15, "the process waited for the encode to finish"

@@ -8,11 +8,17 @@ thread's 1 ms sleeps never waited more than 0.15 s). Prompts up to ``INLINE_CHAR
 (a few ms to tokenize) are still encoded in the loop, in order, so one huge prompt on the
 thread delays no ordinary request. A long prompt's request is acknowledged to the front when it
 is encoded and the engine accepted it; a cancel that arrives before then ends it right after.
+
+The thread is a daemon: a worker told to stop exits at once instead of waiting for an encode
+nobody will use (a 16 MiB prompt takes many seconds). ``ThreadPoolExecutor``'s threads are
+joined when the process exits, so it is not used here.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import queue
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +38,8 @@ class _Pending:
 class PromptEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qil-tokenize")
+        self._queue: queue.SimpleQueue[tuple[Future, tuple] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # started on first use
         self._pending: dict[str, _Pending] = {}
 
     def takes(self, options: dict[str, Any]) -> bool:
@@ -51,11 +58,23 @@ class PromptEncoder:
     def start(self, submit: tuple) -> None:
         """Begin encoding the prompt of a SUBMIT message ``(tag, rid, None, ..., options)``."""
         rid, options = submit[1], submit[5]
-        encoded = self._pool.submit(
-            encode_prompt, self._tokenizer, options.get("text"), options.get("messages"),
-            options.get("enable_thinking"),
-        )
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="qil-tokenize", daemon=True)
+            self._thread.start()
+        encoded: Future = Future()
+        self._queue.put((encoded, (options.get("text"), options.get("messages"), options.get("enable_thinking"))))
         self._pending[rid] = _Pending(submit, encoded)
+
+    def _run(self) -> None:
+        """The encoding thread: one prompt at a time, in submission order, until ``close``."""
+        while (item := self._queue.get()) is not None:
+            encoded, (text, messages, enable_thinking) = item
+            if not encoded.set_running_or_notify_cancel():
+                continue
+            try:
+                encoded.set_result(encode_prompt(self._tokenizer, text, messages, enable_thinking))
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop with its submit
+                encoded.set_exception(exc)
 
     def cancel(self, rid: str) -> bool:
         """A cancel for a request still being encoded: it ends as soon as it is submitted."""
@@ -93,4 +112,7 @@ class PromptEncoder:
         return done
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Drop what is still queued; an encode under way is abandoned with its daemon thread."""
+        for pending in self._pending.values():
+            pending.encoded.cancel()
+        self._queue.put(None)
