@@ -238,6 +238,10 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling (qil)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix-heavy", action="store_true", help="all prompts share a 512-token prefix")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--prefix-heavy: run qil with a cold, no and a warm cache this many times, "
+                        "interleaved, and print each round's TTFT ratios and their median (runs on a "
+                        "shared machine vary; the table shows the first round)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson arrivals (seeded); default inf = all at once. qil systems only: "
                         "TTFT then counts from each request's own arrival")
@@ -258,6 +262,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     cuda = args.device.startswith("cuda")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.prefix_heavy and "qil" not in args.systems:
+        p.error("--prefix-heavy compares qil runs: include qil in --systems")
     if args.request_rate != float("inf") and {"hf-static", "hf-continuous"} & set(args.systems):
         p.error("--request-rate applies to the qil systems only (use --systems qil)")
     torch.set_num_threads(args.threads)
@@ -282,6 +290,7 @@ def main(argv=None) -> int:
     from qil_worker import Qwen3
 
     all_rows = {}
+    prefix_ratios: dict[str, list[dict]] = {}  # --prefix-heavy: TTFT ratios of every round
     for dtype_name in dtypes:
         rows = []
         model = Qwen3.from_directory(model_dir, device=args.device, dtype=dtype_name)
@@ -290,10 +299,16 @@ def main(argv=None) -> int:
             add_row(rows, run_qil(model, reqs, args))
         if "qil-eager" in args.systems and cuda:
             add_row(rows, run_qil(model, reqs, args, cuda_graphs=False, name="qil-eager"))
-        if args.prefix_heavy:
-            add_row(rows, run_qil(model, reqs, args, prefix_cache=False, name="qil-no-cache"))
+        ratios: list[tuple[float, float]] = []  # --prefix-heavy: (cold, warm) TTFT ratio per round
+        for round_ in range(args.rounds if args.prefix_heavy else 0):
+            cold = rows[0] if round_ == 0 else run_qil(model, reqs, args)
+            uncached = run_qil(model, reqs, args, prefix_cache=False, name="qil-no-cache")
             # the shared prefix plus one token of its own: every prefix page is full, so cached
-            add_row(rows, run_qil(model, reqs, args, name="qil-warm", served_before=reqs[0][0][:prefix + 1]))
+            warm = run_qil(model, reqs, args, name="qil-warm", served_before=reqs[0][0][:prefix + 1])
+            if round_ == 0:
+                add_row(rows, uncached)
+                add_row(rows, warm)
+            ratios.append((uncached["ttft_mean_s"] / cold["ttft_mean_s"], uncached["ttft_mean_s"] / warm["ttft_mean_s"]))
         del model
         hf = None
         if "hf-static" in args.systems or "hf-continuous" in args.systems:
@@ -312,14 +327,22 @@ def main(argv=None) -> int:
         print_table(rows, f"{dtype_name} on {args.device}" + (" — prefix-heavy" if prefix else ""))
         if args.prefix_heavy:
             by = {r["system"]: r for r in rows}
-            uncached = by["qil-no-cache"]["ttft_mean_s"]
-            print(f"prefix cache: TTFT mean {uncached / by['qil']['ttft_mean_s']:.2f}x lower with the cache "
-                  f"(hit rate {by['qil']['prefix_hit_rate']:.0%}); {uncached / by['qil-warm']['ttft_mean_s']:.2f}x "
+            print(f"prefix cache: TTFT mean {ratios[0][0]:.2f}x lower with the cache "
+                  f"(hit rate {by['qil']['prefix_hit_rate']:.0%}); {ratios[0][1]:.2f}x "
                   f"when the engine had served the prefix before (qil-warm, hit rate "
                   f"{by['qil-warm']['prefix_hit_rate']:.0%})")
+            if len(ratios) > 1:
+                for i, (cold_ratio, warm_ratio) in enumerate(ratios, 1):
+                    print(f"  round {i}: cold {cold_ratio:.2f}x, warm {warm_ratio:.2f}x")
+                print(f"prefix cache over {len(ratios)} rounds: median TTFT ratio cold "
+                      f"{statistics.median(r[0] for r in ratios):.2f}x, warm {statistics.median(r[1] for r in ratios):.2f}x")
+            prefix_ratios[dtype_name] = [{"cold": c, "warm": w} for c, w in ratios]
         all_rows[dtype_name] = rows
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": all_rows}, indent=2))
+        report = {"args": {k: str(v) for k, v in vars(args).items()}, "results": all_rows}
+        if prefix_ratios:
+            report["prefix_ttft_ratios"] = prefix_ratios
+        args.json.write_text(json.dumps(report, indent=2))
     return 0
 
 

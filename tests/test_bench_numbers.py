@@ -126,6 +126,36 @@ def test_the_prefix_cache_ratio_printed_is_without_over_with(monkeypatch, tmp_pa
     assert "TTFT mean 3.00x lower" in out.getvalue() and "; 6.00x when" in out.getvalue()
 
 
+def test_prefix_heavy_rounds_report_each_rounds_ratios_and_their_median(monkeypatch, tmp_path):
+    ttft = {"qil": iter([0.4, 0.5, 0.3]), "qil-no-cache": iter([1.2, 1.0, 1.5]), "qil-warm": iter([0.2, 0.25, 0.3])}
+    monkeypatch.setattr(bt, "ensure_model", lambda path, shape: path)
+    _no_model(monkeypatch)
+
+    def fake_run(model, requests, args, prefix_cache=True, name="qil", **kwargs):
+        value = 1.0 if len(requests) == 2 else next(ttft[name])  # (the 2-request warm-up run)
+        return dict(system=name, output_tok_s=1.0, total_tok_s=1.0, ttft_mean_s=value, ttft_p99_s=1.0,
+                    itl_mean_ms=1.0, itl_p99_ms=1.0, prefix_hit_rate=0.5)
+
+    monkeypatch.setattr(bt, "run_qil", fake_run)
+    out = io.StringIO()
+    report = tmp_path / "report.json"
+    with redirect_stdout(out):
+        bt.main(["--quick", "--prefix-heavy", "--systems", "qil", "--dtype", "float32", "--rounds", "3",
+                 "--model-dir", str(tmp_path), "--json", str(report)])
+    text = out.getvalue()
+    assert "TTFT mean 3.00x lower" in text and "; 6.00x when" in text  # the first round, as the table
+    assert "round 2: cold 2.00x, warm 4.00x" in text and "round 3: cold 5.00x, warm 5.00x" in text
+    assert "median TTFT ratio cold 3.00x, warm 5.00x" in text
+    cold = [r["cold"] for r in json.loads(report.read_text())["prefix_ttft_ratios"]["float32"]]
+    assert cold == pytest.approx([3.0, 2.0, 5.0])
+
+
+def test_prefix_heavy_needs_the_qil_system_and_a_round(tmp_path):
+    for argv in (["--prefix-heavy", "--systems", "hf-static"], ["--prefix-heavy", "--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            bt.main(["--quick", "--model-dir", str(tmp_path), *argv])
+
+
 # -- bench_service
 
 
