@@ -67,6 +67,36 @@ def test_fused_projections_as_on_cuda_match_transformers(tiny_dir, ref):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_the_cuda_attention_wiring_run_on_a_cpu_matches_transformers(tiny_dir, ref, monkeypatch, cuda_graphs):
+    """What CUDA runs (fused projections; keys gathered by slot, no shared-prefix split, SDPA
+    with the step's additive mask for prefill chunks and decode rows; with ``cuda_graphs`` the
+    padded decode body that graphs capture), on a CPU: the CPU's own kernels never take it."""
+    monkeypatch.setattr(attention, "cpu_kernels", lambda device: False)
+    chosen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        chosen.append(q.shape[2])
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    for cpu_only in ("_decode_by_matmuls", "_decode_by_sdpa", "_prefill_by_matmuls", "_prefix_partial"):
+        monkeypatch.setattr(attention, cpu_only, None)  # (calling one would raise)
+    model = Qwen3.from_directory(tiny_dir, dtype="float32", pack_weights=False, fused_projections=True)
+    engine = Engine(model, num_pages=64, page_size=4, token_budget=40, prefill_chunk=24, cuda_graphs=cuda_graphs)
+    shared = _prompts(3, (13,))[0]  # a cached prefix: the CPU path would attend it apart
+    prompts = _prompts(4, (5, 31, 17)) + [shared + [7, 8], shared + [9]]
+    ids = [engine.submit(p, max_new_tokens=9) for p in prompts[:3]]
+    engine.step()
+    ids += [engine.submit(p, max_new_tokens=9) for p in prompts[3:]]
+    run_to_completion(engine)
+    assert any(rows > 2 for rows in chosen) and 2 in chosen, "prefill chunks and decode rows through SDPA"
+    assert not cuda_graphs or engine.decode_graphs.steps > 0
+    for rid, prompt in zip(ids, prompts):
+        assert engine.result(rid).output_token_ids == reference_greedy(ref, prompt, 9), prompt
+
+
 def _paged_reference(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, *, seqused_k, block_table,
                      window_size=(-1, -1), enable_gqa=False):
     """What ``varlen_attn`` computes over a paged cache (block table, ``seqused_k`` keys per

@@ -84,11 +84,11 @@ def test_a_preempted_request_counts_once_for_the_hit_rate_and_its_cached_tokens(
     engine = Engine(model, num_pages=8, page_size=4, token_budget=64, prefill_chunk=64)
     engine.submit([80 + i for i in range(8)], max_new_tokens=1)
     run_to_completion(engine)  # its cached pages are the oldest: evicted first
-    a = engine.submit([i for i in range(8)], max_new_tokens=8)  # 4 pages at most
+    engine.submit(list(range(8)), max_new_tokens=8)  # 4 pages at most, and it must finish first
     victim = engine.submit([40 + i for i in range(16)], max_new_tokens=6)  # 4 prompt pages
     while engine.result(victim).num_preemptions == 0:
-        engine.step()  # a's 4th page: the victim is preempted, its prompt pages stay cached
-    run_to_completion(engine)  # a finishes; the victim comes back onto its own prompt pages
+        engine.step()  # the first one's 4th page: the victim is preempted, its prompt pages stay cached
+    run_to_completion(engine)  # the first one finishes; the victim comes back onto its own prompt pages
     assert engine.result(victim).finish_reason.value == "length"
     assert engine.result(victim).num_cached_tokens == 0
     assert engine.stats().prefix_cache_hit_rate == 0.0

@@ -16,6 +16,7 @@ import torch
 
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import to_device
+from qil_worker.model import attention as attention_paths
 from qil_worker.model.attention import AttentionGroup, AttentionMetadata
 from qil_worker.model.varlen import PACKED, VarlenMetadata
 
@@ -163,7 +164,7 @@ def _group(
     batch = len(members)
     q_max = max(c.num_tokens for c in members)
     l_max = max(c.end for c in members)
-    on_cpu = device.type == "cpu"
+    on_cpu = attention_paths.cpu_kernels(device)
     if on_cpu:  # keys in whole pages, gathered page by page (``KVCache.gather_pages``)
         l_max = -(-l_max // page_size) * page_size
     shared = _shared_prefix_pages(members, page_size) if on_cpu and q_max == 1 else 0

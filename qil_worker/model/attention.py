@@ -62,6 +62,14 @@ class AttentionMetadata:
     page_size: int = 0
 
 
+def cpu_kernels(device: torch.device) -> bool:
+    """Whether attention on ``device`` takes the CPU's own paths (keys gathered in whole pages,
+    shared prefixes read once, matmul kernels) rather than the portable one that CUDA runs (slot
+    gathers and SDPA). One switch for ``batch.py`` and this module, so that a test can run the
+    CUDA wiring on a CPU."""
+    return device.type == "cpu"
+
+
 def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
     """``q`` [T, Hq, D]; ``kv`` already holds this step's keys of ``layer`` → [T, Hq*D]."""
     if meta.varlen is not None:
@@ -83,7 +91,7 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMet
             .reshape(b, num_kv_heads, qm * groups_per_kv, head_dim)
         )
         prefix = _prefix_partial(q_pad, kv, layer, g.prefix_slots) if g.prefix_slots is not None else None
-        on_cpu = q.device.type == "cpu"
+        on_cpu = cpu_kernels(q.device)
         if on_cpu and qm == 1 and (prefix is not None or q.dtype != torch.float32):
             # decode rows attended by matmuls (SDPA's CPU kernel is slow for them in bf16/fp16)
             out = _decode_by_matmuls(q_pad, kv, layer, g, prefix)
