@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -132,8 +133,6 @@ def test_async_client_wait_ready_and_async_with_session(server):
 
 
 def test_client_wait_ready_returns_when_serving_and_times_out_when_nothing_listens(server):
-    import time
-
     with Client(server.target, timeout=60) as c:
         c.wait_ready(30)  # returns: the server is SERVING
         assert c.health() == "SERVING"

@@ -1,6 +1,10 @@
 """Text contracts a plausible bug would break silently (found by mutation testing): stop-string
 hold-back and precedence, text released at the end, special tokens kept when asked, the chat
 template's thinking switch and roles, long chat prompts encoded beside the worker."""
+import subprocess
+import sys
+import time
+
 import pytest
 
 from checkpoints import make_text_checkpoint
@@ -98,10 +102,6 @@ def test_empty_text_is_refused_naming_text(tok):
 def test_a_worker_exits_without_waiting_for_a_prompt_still_being_encoded():
     """The worker closes its encoder on STOP; a 16 MiB prompt can take many seconds to encode,
     and the process must not wait for it to end (it did: the pool's thread was joined at exit)."""
-    import subprocess
-    import sys
-    import time
-
     script = (
         "import time\n"
         "from qil_worker.service.prompt_encoder import PromptEncoder\n"
