@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from qil_client import Client, QilError, TLS
+from qil_client import Client, QilError, TLS, options
 from qil_client.results import ResultBuilder
 
 
@@ -25,42 +25,22 @@ def _ids(text: str) -> list[int]:
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """The per-request generation flags, named as those of ``python -m qil_worker generate``
-    (``qil_worker.cli_generate.add_sampling_arguments``; duplicated so that the client package
-    does not depend on the worker package)."""
+    (``qil_worker.cli_generate.add_sampling_arguments``); the sampling flags of both come from
+    ``qil_client.options``, which the client package owns so that it needs no worker package."""
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 16")
     p.add_argument("--stop-token-ids", type=_ids, default=[], help="JSON list of extra stop ids")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--presence-penalty", type=float, default=None)
-    p.add_argument("--frequency-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--min-new-tokens", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true", default=None)
-
-
-SAMPLING_FLAGS = (
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed", "min_new_tokens", "ignore_eos",
-)
+    options.add_flags(p, options.SAMPLING)
 
 
 def request_kwargs(args: argparse.Namespace) -> dict:
     """The submit_request keyword arguments of generate / submit (unset flags are left out)."""
-    kw: dict = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
-    for k in ("logprobs", "top_logprobs", "include_stop_string", "skip_special_tokens"):
-        if getattr(args, k) is not None:
-            kw[k] = getattr(args, k)
+    kw: dict = options.given(args)  # --thinking included: main() refuses it without --prompt --chat
     if args.token_ids is not None:
         kw["token_ids"] = args.token_ids
     elif args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         kw["messages"] = messages + [{"role": "user", "content": args.prompt}]
-        if args.thinking is not None:
-            kw["enable_thinking"] = args.thinking
     else:
         kw["text"] = args.prompt
     if args.stop:
@@ -88,8 +68,8 @@ def _parser() -> argparse.ArgumentParser:
         src.add_argument("--prompt", help="prompt text (the server needs a tokenizer)")
         q.add_argument("--chat", action="store_true", help="send --prompt as a user chat message")
         q.add_argument("--system", default=None, help="with --chat: a system message first")
-        q.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
-                       help="with --chat: Qwen3's enable_thinking (default: the template's)")
+        q.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
+                       default=None, help="with --chat: Qwen3's enable_thinking (default: the template's)")
         add_sampling_arguments(q)
         q.add_argument("--logprobs", action="store_true", default=None,
                        help="ask for each token's log-probability (shown with --json)")
@@ -149,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        if args.command in ("generate", "submit") and (args.system or args.thinking is not None) and not (
-            args.chat and args.token_ids is None
-        ):
+        chat_flags = args.command in ("generate", "submit") and (
+            args.system or args.enable_thinking is not None
+        )
+        if chat_flags and not (args.chat and args.token_ids is None):
             print("error: --system and --thinking go with --prompt --chat", file=sys.stderr)
             return 2
         if args.command in ("generate", "submit") and args.token_ids is not None and args.chat:

@@ -83,8 +83,7 @@ class Client:
 
     ``submit``, ``stream`` and ``generate`` take the prompt as ``token_ids``, ``text=`` or
     ``messages=`` and the keyword options of ``qil_client.results.submit_request``: sampling
-    (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
-    ``presence_penalty``, ``frequency_penalty``, ``seed``, ``min_new_tokens``, ``ignore_eos``),
+    (``temperature``, ``top_p``, ``seed``, ... as listed in ``qil_client.options.SAMPLING``),
     ``logprobs`` / ``top_logprobs``, ``stop_strings`` / ``include_stop_string``,
     ``skip_special_tokens`` and ``enable_thinking``. None leaves an option to the server's
     default (greedy decoding).

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
+from qil_client.options import NAMES as OPTION_NAMES
 
 FINISH_REASONS = {
     pb.FINISH_REASON_UNSPECIFIED: None,
@@ -15,15 +16,6 @@ FINISH_REASONS = {
     pb.FINISH_REASON_CANCELLED: "cancelled",
     pb.FINISH_REASON_ERROR: "error",
 }
-
-# Keyword options of submit / stream / generate (sync and asyncio, and the sessions' submit),
-# each an optional SubmitRequest field of the same name. None (the default) leaves a field
-# unset, so the server's default applies: greedy decoding, no logprobs, special tokens skipped.
-SAMPLING_OPTIONS = (
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed", "min_new_tokens", "ignore_eos", "logprobs", "top_logprobs",
-)
-TEXT_OPTIONS = ("include_stop_string", "skip_special_tokens", "enable_thinking")
 
 
 @dataclass(frozen=True)
@@ -180,11 +172,16 @@ def submit_request(
 ) -> pb.SubmitRequest:
     """The prompt is exactly one of ``token_ids``, ``text`` or chat ``messages`` (dicts with
     role and content, or (role, content) pairs); text and messages need a server with a
-    tokenizer. Every other option left at None is not sent: the server's default applies.
+    tokenizer. Every other option left at None is not sent: the server's default applies
+    (greedy decoding, no logprobs, special tokens skipped). These are the keyword options of
+    submit / stream / generate (sync and asyncio, and the sessions' submit); the optional fields
+    among them are the table ``qil_client.options.OPTIONS``, which a test keeps equal to this
+    typed signature (the one editors and type checkers read).
 
     Values the wire cannot carry raise here (TypeError, ValueError); values out of range are
     the server's to reject (InvalidArgument naming the field).
     """
+    arguments = locals()  # first, before any other local: the options by name
     if isinstance(stop_strings, str):
         raise TypeError("stop_strings must be a list of strings, not a string")
     req = pb.SubmitRequest(
@@ -199,14 +196,8 @@ def submit_request(
         req.messages.extend(_messages(messages))
     if max_new_tokens is not None:
         req.max_new_tokens = max_new_tokens
-    values = dict(
-        enable_thinking=enable_thinking, include_stop_string=include_stop_string,
-        skip_special_tokens=skip_special_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, seed=seed, min_new_tokens=min_new_tokens,
-        ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
-    )
-    for name, value in values.items():
+    for name in OPTION_NAMES:
+        value = arguments[name]
         if value is not None:
             try:
                 setattr(req, name, value)

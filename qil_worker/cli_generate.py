@@ -6,35 +6,22 @@ import argparse
 import json
 import sys
 
+from qil_client import options
 from qil_worker.errors import QilError
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    """The per-request generation flags, shared by every command that submits requests."""
+    """The per-request generation flags, shared by every command that submits requests (the
+    sampling flags, and the client CLI's, come from ``qil_client.options``)."""
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--stop-token-ids", default=None, help="JSON list of extra stop ids")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--presence-penalty", type=float, default=None)
-    p.add_argument("--frequency-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--min-new-tokens", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true", default=None)
-
-
-SAMPLING_FLAGS = (
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed", "min_new_tokens", "ignore_eos",
-)
+    options.add_flags(p, options.SAMPLING)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """Only the flags the user gave, so the engine's defaults apply to the rest."""
-    return {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+    return options.given(args, options.SAMPLING)
 
 
 def positive_int(text: str) -> int:

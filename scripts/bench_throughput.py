@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import DTYPES, FULL_SHAPE, QUICK_SHAPE, ensure_model, load_hf  # noqa: E402
 from qil_worker.attention_backends import ATTENTION_CHOICES  # noqa: E402
-from qil_worker.schedule_policy import SCHEDULE_POLICIES  # noqa: E402
+from qil_worker.engine.schedule_policy import SCHEDULE_POLICIES  # noqa: E402
 
 
 def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,

@@ -13,7 +13,7 @@ from qil_worker.engine.outputs import RequestMetrics
 from qil_worker.engine.request import Request
 from qil_worker.engine.scheduler import Scheduler
 from qil_worker.kv import PagePool, PageTable, PrefixCache, page_hashes
-from qil_worker.schedule_policy import MAX_BYPASS
+from qil_worker.engine.schedule_policy import MAX_BYPASS
 
 PAGE = 4
 

@@ -97,7 +97,7 @@ class Engine:
         """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
         off with ``debug``). Given ``True`` on another device, the same padded decode path runs
         without capture (for tests). ``schedule_policy``: the order waiting requests are admitted
-        in, ``"fcfs"`` or ``"shortest-first"`` (see ``qil_worker.schedule_policy``).
+        in, ``"fcfs"`` or ``"shortest-first"`` (see ``qil_worker.engine.schedule_policy``).
         ``attention``: ``"auto"``, ``"sdpa"``, ``"varlen"`` (paged) or ``"varlen-packed"`` (CUDA;
         see ``qil_worker.model.varlen``)."""
         for name, value in (

@@ -3,7 +3,7 @@
 Running requests go first (decodes before prefill chunks, rotating the start so no request
 starves when the budget is short), then waiting requests are admitted on the pages their first
 chunk needs now — no reservation for their whole future — in the order of the admission policy
-(``qil_worker.schedule_policy``: arrival order, or fewest tokens left after the cached prefix).
+(``qil_worker.engine.schedule_policy``: arrival order, or fewest tokens left after the cached prefix).
 When a running request cannot get a page, the most recently admitted running request is
 preempted: its pages are freed and it goes back to the head of the queue to recompute its
 prompt and generated tokens later. The oldest request can always take the whole pool, so
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from qil_worker.engine.request import Request, RequestStatus
 from qil_worker.kv.page_pool import PagePool
 from qil_worker.kv.prefix_cache import PrefixCache
-from qil_worker.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES, SHORTEST_FIRST_WINDOW
+from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES, SHORTEST_FIRST_WINDOW
 
 
 @dataclass

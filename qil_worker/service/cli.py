@@ -10,7 +10,7 @@ import sys
 
 from qil_worker.attention_backends import ATTENTION_CHOICES
 from qil_worker.cli_generate import positive_int
-from qil_worker.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
+from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
 from qil_worker.service import limits, logs
 from qil_worker.service.front import FrontConfig
 from qil_worker.service.server import ServeConfig, serve

@@ -12,19 +12,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
+from qil_client.options import NAMES as OPTION_NAMES
 from qil_worker.service import limits
 from qil_worker.service.errors import invalid
 
 if TYPE_CHECKING:
     from qil_worker.service.front import Front
     from qil_worker.service.request_log import Req
-
-# Optional SubmitRequest fields passed to Engine.submit under the same name when set.
-OPTIONAL_FIELDS = (
-    "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "min_new_tokens", "ignore_eos", "logprobs", "top_logprobs",
-    "include_stop_string", "skip_special_tokens", "enable_thinking",
-)
 
 
 @dataclass
@@ -66,7 +60,7 @@ def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
                     f"each must have 1 to {limits.MAX_STOP_STRING_LENGTH} characters, got {len(s)}",
                 )
         options["stop_strings"] = stops
-    for name in OPTIONAL_FIELDS:
+    for name in OPTION_NAMES:  # Engine.submit takes each under its proto name
         if request.HasField(name):
             options[name] = getattr(request, name)
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.DEFAULT_MAX_NEW_TOKENS

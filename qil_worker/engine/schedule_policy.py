@@ -1,6 +1,7 @@
 """Admission policies of the scheduler: which waiting request starts next.
 
-Torch-free, so the gRPC front can offer the choice on its command line.
+Torch-free, so the gRPC front can offer the choice on its command line (``qil_worker.engine``
+imports its torch modules only on first use).
 
 - ``fcfs``: arrival order (the default; what most users expect of a queue).
 - ``shortest-first``: the request with the fewest tokens left to compute after the prefix the
