@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue: throughput and memory): correctness on CUDA (varlen attention,
-# decode CUDA graphs), decode-step timing graphs vs eager, then the throughput benchmark beside
-# transformers. Installs nothing; uses the machine's python3 with torch and transformers.
+# One prepared GPU check: correctness on CUDA (varlen attention, decode CUDA graphs), decode-step
+# timing graphs vs eager, then the throughput benchmark beside transformers. Installs nothing;
+# uses the machine's python3 with torch and transformers.
 # Without a GPU it runs a CPU fallback so the script itself is tested.
 #
 #   bash scripts/device_check.sh            # logs and JSON under ${OUT:-/tmp/qil-device-check}
@@ -10,8 +10,8 @@
 # order of importance, each under its own limit cut to what is left of the budget; a stage that
 # no longer fits is skipped, and the summary at the end says which ran, failed, timed out or
 # were skipped. Only the correctness stages (tests, validate) decide the exit status; benchmark
-# outcomes are in the summary. transformers' static batches (hf-static) never finished within
-# their limit on an H200, so they run only with QIL_CHECK_HF_STATIC=1.
+# outcomes are in the summary. transformers' static batches (hf-static) take longer than a
+# stage's limit at these sizes, so they run only with QIL_CHECK_HF_STATIC=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/qil-device-check}"
@@ -97,15 +97,16 @@ print("model ready")'
     run "decode step: CUDA graphs vs eager (page size $page)" 90 bench decode_step.log "." \
         "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
         --batch 1 8 64 256
-    # transformers needs minutes for 256 such requests (its continuous batching did not finish
-    # them in 120 s on an H200), so the side by side runs the same distribution with 64 requests.
+    # transformers needs minutes for 256 such requests (longer than a stage may take), so the
+    # side by side runs the same distribution with 64 requests.
     throughput "side by side: 64 requests, prompt/output 100-1024, bf16 — qil" 90 throughput_64_qil.log \
         --requests 64 --systems qil --json "$out/throughput_64_qil.json"
     throughput "side by side: 64 requests as above — hf-continuous" 150 throughput_64_hf.log \
         --requests 64 --hf-batch 64 --systems hf-continuous --json "$out/throughput_64_hf-continuous.json"
     throughput "throughput: 256 requests, prompt/output 100-1024, bf16 — qil alone" 90 throughput_256.log \
         --systems qil --json "$out/throughput_256.json"
-    # the packed varlen kernel (keys gathered without padding) is opt-in until measured here
+    # the packed varlen kernel (keys gathered without padding) is opt-in in serve; this A/B is
+    # what decides whether it should become the default
     if [ "$packed" = ok ]; then
         run "decode step: gather + SDPA vs packed varlen (graphs), prompts spread 100-2000" 120 bench \
             decode_step_packed.log "." \

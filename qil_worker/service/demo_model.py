@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_VERSION = "v2"  # v2: the tokenizer has a chat template
+DEMO_VERSION = "v2"  # names the cache directory: a new version when the files written change
 DEMO_NAME = "demo"
 DEMO_SEED = 20240611
 # 256 byte tokens + 3 special tokens, padded to 320.
