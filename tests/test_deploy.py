@@ -171,6 +171,13 @@ def hadolint(path: Path, tmp_path: Path) -> subprocess.CompletedProcess:
 def test_dockerfile_passes_hadolint(path, tmp_path):
     result = hadolint(path, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+    # hadolint does not look into `FROM ${ARG}`: the default image of the ARG has a pinned tag
+    for word, rest in dockerfile_instructions(path):
+        if word == "FROM" and (m := re.fullmatch(r"\$\{(\w+)\}.*", rest)):
+            (default,) = [r.split("=", 1)[1] for w, r in dockerfile_instructions(path)
+                          if w == "ARG" and r.startswith(m[1] + "=")]
+            name, _, tag = default.rpartition(":")
+            assert name and tag and tag != "latest", (path.name, default)
 
 
 def test_hadolint_reports_what_it_is_meant_to(tmp_path):
