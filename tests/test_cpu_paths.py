@@ -98,7 +98,7 @@ def test_kv_gather_rows_gives_each_head_its_keys_contiguously():
 
 
 def test_bf16_decodes_take_the_head_major_path_and_match_the_reference(tmp_path, monkeypatch):
-    import qil_worker.model.attention as attention
+    import qil_worker.attention.cpu as attention
     from checkpoints import load_reference, make_checkpoint
     from qil_worker import Qwen3
     from qil_worker.engine.probe import ForwardProbe
@@ -131,7 +131,7 @@ def test_bf16_decodes_take_the_head_major_path_and_match_the_reference(tmp_path,
 def test_decode_rows_attended_in_chunks_equal_the_whole_group(tiny_dir, dtype, monkeypatch):
     """CPU decode rows are attended a few rows at a time (``CPU_CHUNK_BYTES``): float32
     by SDPA, bf16 by matmuls over head-major keys; one row per chunk gives the same logits."""
-    import qil_worker.model.attention as attention
+    import qil_worker.attention.cpu as attention
     from qil_worker import Qwen3
     from qil_worker.engine.probe import ForwardProbe
 
@@ -159,7 +159,7 @@ def test_prefill_attended_in_chunks_matches_the_whole_group(tiny_dir, ref, dtype
     """CPU prefill chunks are attended a few requests, or a block of one request's queries, at
     a time when their scores would be large; one query per block still gives the reference's
     logits (float32: to matmul rounding, the blocks change how it sums)."""
-    import qil_worker.model.attention as attention
+    import qil_worker.attention.cpu as attention
     from qil_worker import Qwen3
     from qil_worker.engine.probe import ForwardProbe
 
@@ -188,7 +188,7 @@ def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tin
     — also when the rows' own keys are attended one row at a time."""
     import random
 
-    import qil_worker.model.attention as attention
+    import qil_worker.attention.cpu as attention
     from engine_helpers import assert_pool_free, reference_greedy
     from qil_worker import Engine, Qwen3
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from qil_worker import cpu_memory
+
+if TYPE_CHECKING:
+    from qil_worker.attention.backend import StepAttention
 
 
 class KVCache:
@@ -107,13 +112,27 @@ class KVCache:
             self._gathered = tuple(cpu_memory.empty((rows, *self.k.shape[2:]), self.k.dtype) for _ in range(2))
         return self._gathered[0][:n], self._gathered[1][:n]
 
-    def check_readable(self, key_slots: torch.Tensor, key_lengths: torch.Tensor) -> None:
-        """Debug check: the first ``key_lengths[b]`` slots of row ``b`` have all been written."""
+    def check_reads(self, attention: StepAttention) -> None:
+        """Debug check, before a step's forward: every key its ``attention`` reads was written,
+        earlier or by this step itself (its ``slot_mapping``). Nothing outside debug mode."""
         if self._written is None:
             return
+        written = self._written.clone()
+        written[attention.slot_mapping.cpu()] = True
+        for key_slots, key_lengths in attention.reads():
+            self.check_readable(key_slots, key_lengths, written)
+
+    def check_readable(
+        self, key_slots: torch.Tensor, key_lengths: torch.Tensor, written: torch.Tensor | None = None
+    ) -> None:
+        """Debug check: the first ``key_lengths[b]`` slots of row ``b`` have all been written
+        (per ``written``, default what this cache has recorded)."""
+        if self._written is None:
+            return
+        written = self._written if written is None else written
         slots, lengths = key_slots.cpu(), key_lengths.cpu()
         valid = torch.arange(slots.shape[1])[None, :] < lengths[:, None]
-        unwritten = ~self._written[slots[valid]]
+        unwritten = ~written[slots[valid]]
         if bool(unwritten.any()):
             raise AssertionError(f"attention would read {int(unwritten.sum())} unwritten KV slot(s)")
 

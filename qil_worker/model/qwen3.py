@@ -1,8 +1,8 @@
 """Our Qwen3 dense forward over a flat batch of tokens from many requests.
 
 One call computes every scheduled token of a step: tokens of different requests are
-concatenated, each with its absolute position and KV slot; attention keeps requests apart
-(see ``attention.py``). Logits are computed only for ``sample_indices``.
+concatenated, each with its absolute position and KV slot; the step's attention metadata keeps
+requests apart (``qil_worker.attention``). Logits are computed only for ``sample_indices``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from qil_worker import cpu_memory
 from qil_worker.config import Qwen3Config
 from qil_worker.kv.cache import KVCache
-from qil_worker.model.attention import AttentionMetadata, paged_attention
+from qil_worker.attention.backend import StepAttention
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
 from qil_worker.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rope
 from qil_worker.model.linear import Linear, pack_and_release, packing_supported
@@ -66,7 +66,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        attention: StepAttention,
         kv: KVCache,
     ) -> torch.Tensor:
         tokens = x.shape[0]
@@ -78,14 +78,8 @@ class DecoderLayer(nn.Module):
         # query and key heads normed and rotated together, [T, Hq + Hkv, D]
         qk = apply_rope(self.qk_norm(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)), *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        kv.write(self.index, meta.slot_mapping, k, v.view(tokens, self.num_kv_heads, self.head_dim))
-        if kv.debug and self.index == 0:
-            for g in meta.groups:
-                kv.check_readable(g.key_slots, g.key_lengths)
-                if g.prefix_slots is not None:
-                    kv.check_readable(g.prefix_slots[None], torch.tensor([g.prefix_slots.numel()]))
-        attn = paged_attention(q, kv, self.index, meta)
-        x = x + self.out_proj(attn)
+        kv.write(self.index, attention.slot_mapping, k, v.view(tokens, self.num_kv_heads, self.head_dim))
+        x = x + self.out_proj(attention.attend(q, kv, self.index))
         return x + self.mlp(self.post_attention_norm(x))
 
     def pack_weights(self) -> bool:
@@ -106,8 +100,6 @@ class Qwen3(nn.Module):
         super().__init__()
         self.config = config
         device = torch.device(device)
-        if device.type == "cpu":
-            cpu_memory.bound_kernel_caches()  # before packing: the first oneDNN call fixes them
         self.embed = nn.Parameter(
             cpu_memory.empty((config.vocab_size, config.hidden_size), dtype, device), requires_grad=False
         )
@@ -200,17 +192,17 @@ class Qwen3(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        attention: StepAttention,
         kv: KVCache,
         sample_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Compute all ``input_ids`` [T] and return logits [S, vocab] at ``sample_indices`` [S]."""
-        hidden = self.hidden_states(input_ids, positions, meta, kv)
+        hidden = self.hidden_states(input_ids, positions, attention, kv)
         return self.logits(hidden.index_select(0, sample_indices))
 
     @torch.inference_mode()
     def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention, kv: KVCache
     ) -> torch.Tensor:
         """The decoder stack: [T] tokens → [T, hidden] before the final norm (writes their K/V).
 
@@ -219,7 +211,7 @@ class Qwen3(nn.Module):
         x = F.embedding(input_ids, self.embed)
         rope = self.rope.lookup(positions)
         for layer in self.layers:
-            x = layer(x, rope, meta, kv)
+            x = layer(x, rope, attention, kv)
         return x
 
     @torch.inference_mode()
