@@ -187,8 +187,9 @@ def test_packing_refuses_a_kernel_that_disagrees(monkeypatch):
         pytest.skip("no packed oneDNN linear here")
     disagreeing = SimpleNamespace(linear=lambda x, w: F.linear(x, w) + 1)
     monkeypatch.setattr(linear, "F", disagreeing)  # the self-check's reference now differs
-    lin = linear.Linear(torch.randn(8, 16))
-    assert lin.pack() is False and lin.packed is None and lin.weight is not None
+    lin = linear.Linear(8, 16, torch.float32, torch.device("cpu"))
+    lin.weight.data.normal_()
+    assert lin.pack() is False and not lin.packed and not lin.weight.is_mkldnn
 
 
 @pytest.mark.parametrize("decode", [False, True])
