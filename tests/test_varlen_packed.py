@@ -136,8 +136,21 @@ def _fake_varlen_attn(aligned_to_end: bool):
 @pytest.mark.parametrize("mode", [PAGED, PACKED])
 def test_startup_probe_accepts_a_kernel_that_agrees_and_refuses_one_that_does_not(monkeypatch, mode):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=True))
+    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=True))
     for q_lens, causal in (((2, 1), True), ((1, 1), False)):
         assert choice._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode, q_lens, causal) is None
-    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=False))
+    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=False))
     assert "(causal) differs from SDPA" in choice._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode)
+
+
+@pytest.mark.parametrize("mode", [PAGED, PACKED])
+def test_a_backend_object_plugs_into_the_engine(model, ref, mode):
+    """An engine takes a backend object as it takes a name: batches, decode graphs and the model
+    run it without knowing which it is."""
+    prompts = _prompts([3, 30], seed=2)
+    engine = Engine(model, num_pages=64, page_size=4, cuda_graphs=True, attention=reference_backend(mode))
+    assert engine.attention_backend == mode
+    ids = [engine.submit(p, max_new_tokens=6) for p in prompts]
+    run_to_completion(engine)
+    assert [engine.result(i).output_token_ids for i in ids] == [reference_greedy(ref, p, 6) for p in prompts]
+    assert engine.decode_graphs.steps >= 4

@@ -13,7 +13,7 @@ def use_reference_varlen(monkeypatch, modes=(PACKED,)) -> None:
     def probe(device, dtype, page_size, heads, kv_heads, dim, mode=varlen.PAGED):
         return None if mode in modes else "only the reference kernel here"
 
-    monkeypatch.setattr(varlen, "_varlen_attn", lambda: reference_varlen_attn)
+    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: reference_varlen_attn)
     monkeypatch.setattr(choice, "probe_varlen", probe)
 
 

@@ -16,7 +16,7 @@ from qil_worker.attention.backend import AttentionBackend
 from qil_worker.attention.cpu import CpuAttention
 from qil_worker.attention.names import ATTENTION_CHOICES, PACKED, PAGED, SDPA
 from qil_worker.attention.sdpa import GatherSdpa
-from qil_worker.attention.varlen import VarlenMetadata, VarlenPacked, VarlenPaged, _varlen_attn, takes_block_table
+from qil_worker.attention.varlen import VarlenPacked, VarlenPaged, takes_block_table, torch_varlen_attn
 
 
 def cpu_kernels(device: torch.device) -> bool:
@@ -53,7 +53,7 @@ def probe_varlen(
         return "not a CUDA device"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash attention needs float16/bfloat16, not {dtype}"
-    fn = _varlen_attn()
+    fn = torch_varlen_attn()
     if fn is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     if mode == PAGED and not takes_block_table(fn):
@@ -69,7 +69,7 @@ def probe_varlen(
 
 
 class _Pool:
-    """What ``VarlenMetadata.attend`` reads of a ``KVCache`` (one layer), for the probe."""
+    """What ``varlen.VarlenMetadata.attend`` reads of a ``KVCache`` (one layer), for the probe."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k[None], v[None]
@@ -95,16 +95,15 @@ def _check_against_sdpa(
     i32 = dict(device=device, dtype=torch.int32)
     slots = [list(range(first * page_size, first * page_size + n)) for first, n in zip(first_page, lengths)]
     table = [[first + j for j in range(max(pages))] for first in first_page]  # past the end: unread
-    meta = VarlenMetadata(
+    meta = backend.metadata(
         slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
         cu_seq_q=torch.tensor([0, q_lens[0], sum(q_lens)], **i32),
         cu_seq_k=torch.tensor([0, lengths[0], sum(lengths)], **i32),
         seq_used_k=torch.tensor(lengths, **i32),
-        block_table=torch.tensor(table, **i32).clamp_(max=sum(pages) - 1) if mode == PAGED else None,
+        tables=torch.tensor(table, device=device).clamp_(max=sum(pages) - 1),
         max_q=max(q_lens),
         max_k=max(lengths),
-        kernel=backend.kernel,
-        mask=backend._mask[causal],
+        causal=causal,
         page_size=page_size,
         key_slots=None if mode == PAGED else torch.tensor(slots[0] + slots[1], device=device),
     )

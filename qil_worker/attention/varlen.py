@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from qil_worker.kv.cache import KVCache
 
 
-def _varlen_attn() -> Callable | None:
+def torch_varlen_attn() -> Callable | None:
     """This build's ``varlen_attn``, or None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -61,6 +61,8 @@ def takes_block_table(fn: Callable) -> bool:
 
 @dataclass
 class VarlenMetadata(StepAttention):
+    """A step's attention as one varlen kernel call per layer."""
+
     slot_mapping: torch.Tensor  # [T]
     cu_seq_q: torch.Tensor  # [N+1] int32, query offsets of each request in the flat tokens
     cu_seq_k: torch.Tensor  # [N+1] int32, cumulative key counts
@@ -105,7 +107,7 @@ class VarlenPaged(AttentionBackend):
     gathers_keys = False
 
     def __init__(self, kernel: Callable | None = None) -> None:
-        self.kernel = kernel if kernel is not None else _varlen_attn()
+        self.kernel = kernel if kernel is not None else torch_varlen_attn()
         if self.kernel is None:
             raise ValueError(f"torch {torch.__version__} has no torch.nn.attention.varlen")
         # causal is False when every request has one query, which sees all its keys anyway:
@@ -124,17 +126,18 @@ class VarlenPaged(AttentionBackend):
             if self.packs_keys
             else None
         )
-        return self._metadata(
+        return self.metadata(
             step.slot_mapping, offsets[0], offsets[1], seq_used_k, step.tables, max(q_lens), max(k_lens),
             max(q_lens) > 1, step.page_size, key_slots,
         )
 
-    def _metadata(
+    def metadata(
         self, slot_mapping: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, seq_used_k: torch.Tensor,
         tables: torch.Tensor, max_q: int, max_k: int, causal: bool, page_size: int,
         key_slots: torch.Tensor | None,
     ) -> VarlenMetadata:
-        """``tables`` [N, pages] long: the block table unless the keys are packed (``key_slots``)."""
+        """The metadata around this backend's kernel. ``tables`` [N, pages] long: the block table,
+        unless the keys are packed (then ``key_slots``, the slot of every key, is read instead)."""
         return VarlenMetadata(
             slot_mapping, cu_seq_q, cu_seq_k, seq_used_k, None if self.packs_keys else tables.to(torch.int32),
             max_q, max_k, self.kernel, self._mask[causal], page_size, key_slots,
@@ -154,7 +157,7 @@ class VarlenPaged(AttentionBackend):
         used = (positions + 1).to(torch.int32)
         cu_k = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
         cu_k[1:] = used.cumsum(0, dtype=torch.int32)
-        return self._metadata(
+        return self.metadata(
             kv_slots(tables, positions, page_size, rows=rows),
             torch.arange(tables.shape[0] + 1, dtype=torch.int32, device=tables.device),
             cu_k, used, tables, 1, context, False, page_size, None,
@@ -187,7 +190,7 @@ class VarlenPacked(VarlenPaged):
         slots = kv_slots(tables, position, page_size, rows=row)
         cu_k = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
         cu_k[1:] = ends
-        return self._metadata(
+        return self.metadata(
             kv_slots(tables, positions, page_size, rows=rows),
             torch.arange(tables.shape[0] + 1, dtype=torch.int32, device=tables.device),
             cu_k, used.to(torch.int32), tables, 1, context, False, page_size,
