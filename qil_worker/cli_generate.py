@@ -63,6 +63,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from qil_worker.cpu_memory import configure_process
     from qil_worker.engine import Engine
     from qil_worker.model import Qwen3
     from qil_worker.text import load_tokenizer
@@ -71,6 +72,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.chat and args.prompt is None:
         print("error: --chat goes with --prompt (a text to send as a user message)", file=sys.stderr)
         return 2
+    configure_process(args.device)
     try:
         tokenizer_dir = args.tokenizer or args.model
         tokenizer = None

@@ -1,26 +1,25 @@
 """CPU memory habits for memory-bound inference (Linux): huge pages, no page-fault churn, and
-bounded kernel caches.
+bounded kernel caches. ``configure_process`` makes the process-wide ones, once at start-up.
 
-**Huge pages.** A CPU decode step streams every weight once (2.4 GB for Qwen3-0.6B in float32), so its speed is
-memory bandwidth. With 4 KiB pages the hardware prefetchers stop at every page boundary and the
-TLB misses constantly; with 2 MiB pages the same matmul streams much faster (measured on the
-team's 2-vCPU Xeon: the 0.6B LM head, [8, 1024] x [1024, 151936] float32, 69-71 ms with 4 KiB
-pages, 49-50 ms with huge pages). Kernels commonly grant huge pages only where a mapping asks
-for them (``transparent_hugepage=madvise``), so the region is advised *before* it is first
-touched. Elsewhere (other systems, CUDA, small tensors) this is plain ``torch.empty``.
+**Huge pages.** A CPU decode step streams every weight once, so its speed is memory bandwidth.
+With 4 KiB pages the hardware prefetchers stop at every page boundary and the TLB misses
+constantly; with 2 MiB pages the same matmul streams much faster. Kernels commonly grant huge
+pages only where a mapping asks for them (``transparent_hugepage=madvise``), so the region is
+advised *before* it is first touched. Elsewhere (other systems, CUDA, small tensors) this is
+plain ``torch.empty``.
 
 **Keeping freed memory.** A forward allocates temporaries of several MB (gathered keys, scores,
 MLP activations). glibc serves large ones with fresh mappings and returns freed memory to the
-system, so every step pays page faults again — measured at 2x the decode step time at 16
-requests of ~770 tokens. ``keep_freed_memory`` tells glibc to serve them from its heap and keep
-what is freed: the process holds its peak working set instead of faulting it in every step.
+system, so every step pays page faults again, which can cost more than the step's compute.
+``keep_freed_memory`` tells glibc to serve them from its heap and keep what is freed: the process
+holds its peak working set instead of faulting it in every step.
 
 **Bounded kernel caches.** oneDNN (the packed linears, bf16 matmuls) compiles a kernel for every
 new input shape and keeps it in an LRU cache, and torch's ideep layer keeps another; each holds
 1,024 entries by default, at up to ~0.5 MB an entry. A serving engine sees a new shape almost
 every step (the number of tokens in a step, the key lengths of attention), so a worker's memory
-grew by ~1.1 GB over minutes of serving before those caches filled — indistinguishable from
-a leak. ``bound_kernel_caches`` caps both (read once, at a process's first oneDNN call).
+grows by about a GB before those caches fill — indistinguishable from a leak.
+``bound_kernel_caches`` caps both (read once, at a process's first oneDNN call).
 """
 
 from __future__ import annotations
@@ -73,10 +72,8 @@ def keep_freed_memory() -> bool:
 
 
 # Entries per cache. Decode steps repeat a few shapes (the running batch size) and stay cached;
-# prefill steps bring new shapes whatever the size. Measured (0.6B shape, bf16, a serving-like
-# mix with preemption): malloc in use +196 MB after 100 s at 256, flat from 2 to 11 minutes
-# (+200 MB); at the default 1,024, +360 MB after 100 s and still climbing (+1.0 GB in 7 minutes
-# of a load test). Throughput within noise (55 tok/s both; 128 entries measured ~2% slower).
+# prefill steps bring new shapes whatever the size: 256 keeps the memory flat under a
+# serving-like load at unchanged throughput (see docs/cpu.md), where fewer start to cost speed.
 KERNEL_CACHE_CAPACITY = 256
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
@@ -84,9 +81,22 @@ KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY
 def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
     """Cap oneDNN's and ideep's kernel caches at ``capacity`` entries each, unless the
     environment already sets them. Takes effect only before the process's first oneDNN call
-    (both are read then, once): ``Qwen3`` calls it when built on CPU, before packing weights."""
+    (both are read then, once): see ``configure_process``."""
     for name in KERNEL_CACHE_VARIABLES:
         os.environ.setdefault(name, str(capacity))
+
+
+def configure_process(device: torch.device | str | None = None) -> None:
+    """Process-wide settings for serving on ``device`` (None: CPU), made once at process start-up
+    (worker, CLI, benchmarks) before a model is built: on CPU, capped kernel caches (before the
+    first oneDNN call, which packing the weights makes) and glibc keeping freed memory."""
+    try:
+        if torch.device(device if device is not None else "cpu").type != "cpu":
+            return
+    except RuntimeError:  # not a device at all: loading the model reports it
+        return
+    bound_kernel_caches()
+    keep_freed_memory()
 
 
 @functools.lru_cache(maxsize=1)

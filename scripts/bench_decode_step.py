@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="tiny model (smoke test)")
     args = p.parse_args(argv)
+    from qil_worker import cpu_memory
+
+    cpu_memory.configure_process(args.device)
 
     from qil_worker import Qwen3
 

@@ -334,6 +334,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from qil_worker import cpu_memory
+
+    cpu_memory.configure_process("cpu")
     torch.set_num_threads(args.threads)
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     tmp = None

@@ -78,9 +78,11 @@ def engine_kwargs(args) -> dict:
 def load_engine(args, model_dir: Path):
     import torch
 
+    from qil_worker import cpu_memory
     from qil_worker.engine import Engine
     from qil_worker.model import Qwen3
 
+    cpu_memory.configure_process(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype)

@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import DTYPES, FULL_SHAPE, QUICK_SHAPE, ensure_model, load_hf  # noqa: E402
-from qil_worker.attention_backends import ATTENTION_CHOICES  # noqa: E402
+from qil_worker.attention.names import ATTENTION_CHOICES  # noqa: E402
 from qil_worker.engine.schedule_policy import SCHEDULE_POLICIES  # noqa: E402
 
 
@@ -268,6 +268,9 @@ def main(argv=None) -> int:
         p.error("--prefix-heavy compares qil runs: include qil in --systems")
     if args.request_rate != float("inf") and {"hf-static", "hf-continuous"} & set(args.systems):
         p.error("--request-rate applies to the qil systems only (use --systems qil)")
+    from qil_worker import cpu_memory
+
+    cpu_memory.configure_process(args.device)
     torch.set_num_threads(args.threads)
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     args.requests = args.requests or (4 if args.quick else 256 if cuda else 16)

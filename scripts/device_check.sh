@@ -54,7 +54,8 @@ run() {
 if "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     run "environment" 60 check environment.log . "$py" -c '
 import torch, transformers
-from qil_worker.model.varlen import PACKED, PAGED, probe_varlen
+from qil_worker.attention import PACKED, PAGED
+from qil_worker.attention.choice import probe_varlen
 print("torch", torch.__version__, "transformers", transformers.__version__, "on", torch.cuda.get_device_name())
 for page in (16, 64, 256):
     for mode in (PAGED, PACKED):
@@ -63,13 +64,14 @@ for page in (16, 64, 256):
     # the page size the paged varlen kernel accepts (if any) is used for the benchmarks
     page=$(timeout 120 "$py" -c '
 import torch
-from qil_worker.model.varlen import probe_varlen
+from qil_worker.attention.choice import probe_varlen
 ok = [p for p in (16, 64, 256) if probe_varlen(torch.device("cuda"), torch.bfloat16, p, 16, 8, 128) is None]
 print(ok[0] if ok else 16)' 2>/dev/null || echo 16)
     echo "benchmark page size: $page"
     packed=$(timeout 120 "$py" -c '
 import torch
-from qil_worker.model.varlen import PACKED, probe_varlen
+from qil_worker.attention import PACKED
+from qil_worker.attention.choice import probe_varlen
 print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, PACKED) or "ok")' 2>/dev/null || echo "probe failed")
     echo "packed varlen attention: $packed"
 

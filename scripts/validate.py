@@ -316,6 +316,9 @@ def make_prompts(lengths: list[int], vocab: int, avoid: set[int], seed: int) -> 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from qil_worker import cpu_memory
+
+    cpu_memory.configure_process(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]

@@ -98,7 +98,7 @@ def test_kv_gather_rows_gives_each_head_its_keys_contiguously():
 
 
 def test_bf16_decodes_take_the_head_major_path_and_match_the_reference(tmp_path, monkeypatch):
-    import qil_worker.model.attention as attention
+    import qil_worker.attention.cpu as attention
     from checkpoints import load_reference, make_checkpoint
     from qil_worker import Qwen3
     from qil_worker.engine.probe import ForwardProbe
@@ -131,7 +131,7 @@ def test_bf16_decodes_take_the_head_major_path_and_match_the_reference(tmp_path,
 def test_decode_rows_attended_in_chunks_equal_the_whole_group(tiny_dir, dtype, monkeypatch):
     """CPU decode rows are attended a few rows at a time (``CPU_CHUNK_BYTES``): float32
     by SDPA, bf16 by matmuls over head-major keys; one row per chunk gives the same logits."""
-    import qil_worker.model.attention as attention
+    import qil_worker.attention.cpu as attention
     from qil_worker import Qwen3
     from qil_worker.engine.probe import ForwardProbe
 
@@ -159,7 +159,7 @@ def test_prefill_attended_in_chunks_matches_the_whole_group(tiny_dir, ref, dtype
     """CPU prefill chunks are attended a few requests, or a block of one request's queries, at
     a time when their scores would be large; one query per block still gives the reference's
     logits (float32: to matmul rounding, the blocks change how it sums)."""
-    import qil_worker.model.attention as attention
+    import qil_worker.attention.cpu as attention
     from qil_worker import Qwen3
     from qil_worker.engine.probe import ForwardProbe
 
@@ -188,7 +188,7 @@ def test_decodes_sharing_prefix_pages_read_them_once_and_match_the_reference(tin
     — also when the rows' own keys are attended one row at a time."""
     import random
 
-    import qil_worker.model.attention as attention
+    import qil_worker.attention.cpu as attention
     from engine_helpers import assert_pool_free, reference_greedy
     from qil_worker import Engine, Qwen3
 
@@ -235,15 +235,23 @@ def test_packed_weights_give_the_plain_logits_and_release_the_parameters(tiny_di
         assert torch.equal(got, want)
     else:  # only the summation order differs
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for layer in packed.layers:  # the plain copies are gone: no doubled memory
-        assert layer.qkv.numel() == layer.o_proj.numel() == 0
-        assert layer.mlp.gate_up.numel() == layer.mlp.down.numel() == 0
-        assert all(p.packed is not None and p.weight is None for p in [*layer.qkv_proj, layer.out_proj])
-    assert packed.head.packed is not None
+    # what state_dict() shows is what runs: every projection holds its packed weight only
+    state = packed.state_dict()
+    projections = {name: t for name, t in state.items() if name.endswith(("_proj.weight", "head.weight"))}
+    assert len(projections) == 6 * len(packed.layers) + 1  # qk, v, o, gate, up, down; the LM head
+    assert all(t.is_mkldnn for t in projections.values()), [n for n, t in projections.items() if not t.is_mkldnn]
+    assert all(not t.is_mkldnn for name, t in state.items() if name not in projections)  # norms, embedding
+    for layer in packed.layers:
+        assert all(p.packed for p in [*layer.projections(), layer.o_proj, *layer.mlp.projections(), layer.mlp.down_proj])
+    assert packed.head.packed
     if untied:
-        assert packed.lm_head.numel() == 0
-    else:  # the tied table still serves embedding lookups
-        assert torch.equal(packed.embed, plain.embed)
+        assert packed.lm_head is packed.head.weight
+    else:  # the tied table still serves embedding lookups; the head is its packed copy
+        assert packed.lm_head is None and torch.equal(packed.embed, plain.embed)
+    # no doubled memory: the plain weights are gone, only the tied head's copy is extra
+    plain_bytes = sum(t.nbytes for t in plain.state_dict().values() if not t.is_mkldnn)
+    extra = 0 if untied else plain.embed.nbytes
+    assert sum(p.numel() for p in packed.parameters()) * packed.embed.element_size() <= plain_bytes + extra
 
 
 def test_a_failed_pack_leaves_the_layer_plain(tiny_dir, monkeypatch):
@@ -254,12 +262,12 @@ def test_a_failed_pack_leaves_the_layer_plain(tiny_dir, monkeypatch):
     tokens = [5, 6, 7, 8]
     want = _logits(model, tokens)
     layer = model.layers[0]
-    monkeypatch.setattr(layer.qkv_proj[1], "pack", lambda keep_plain=False: False)
+    monkeypatch.setattr(layer.v_proj, "packed_weight", lambda: None)
     assert not layer.pack_weights()
-    assert layer.qkv.numel()  # attention stays plain (the MLP may pack)
-    assert all(p.packed is None and p.weight is not None for p in [*layer.qkv_proj, layer.out_proj])
+    # attention stays plain, all of it (the MLP may pack)
+    assert all(not p.packed and not p.weight.is_mkldnn for p in [*layer.projections(), layer.o_proj])
     torch.testing.assert_close(_logits(model, tokens), want, rtol=1e-5, atol=1e-5)
-    assert Linear(torch.ones(2, 3, device="meta")).pack() is False  # no oneDNN on meta tensors
+    assert Linear(2, 3, torch.float32, torch.device("meta")).pack() is False  # no oneDNN on meta tensors
 
 
 def test_packing_is_only_offered_on_cpu():

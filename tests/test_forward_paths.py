@@ -12,12 +12,15 @@ import torch.nn.functional as F
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from engine_helpers import reference_greedy, run_to_completion
-from varlen_helpers import use_reference_packed_kernel
+from varlen_helpers import use_reference_packed_kernel, use_reference_varlen
 from qil_worker import Engine, Qwen3
 from qil_worker.engine.decode_graphs import DecodeGraphs
 from qil_worker.engine.probe import ForwardProbe
 from qil_worker.kv import KVCache
-from qil_worker.model import attention, linear, varlen
+from qil_worker.attention import PACKED, PAGED, choice, cpu
+from qil_worker.attention import sdpa as gather_sdpa
+from qil_worker.attention.reference import reference_backend
+from qil_worker.model import linear
 from qil_worker.model.dtypes import resolve_dtype
 from qil_worker.model.layers import RMSNorm
 
@@ -37,16 +40,16 @@ def test_prefill_chunks_holding_several_requests_match_transformers(cpu_model, r
     """Between one request per chunk and no chunking: several requests per chunk, and blocks
     that do not divide the rows."""
     prompts = _prompts(6, (30, 26, 40))
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(cpu, "CPU_CHUNK_BYTES", chunk_bytes)
     widths = []
-    row_chunks = attention._row_chunks
+    row_chunks = cpu._row_chunks
 
     def spy(*args):
         chunks = row_chunks(*args)
         widths.append(max(j - i for i, j in chunks))
         return chunks
 
-    monkeypatch.setattr(attention, "_row_chunks", spy)
+    monkeypatch.setattr(cpu, "_row_chunks", spy)
     probe = ForwardProbe(cpu_model, num_pages=64, page_size=4)
     got = probe.forward([(probe.sequence(p), 12) for p in prompts])
     assert not several or max(widths) >= 2, "no chunk held several requests"
@@ -72,7 +75,7 @@ def test_the_cuda_attention_wiring_run_on_a_cpu_matches_transformers(tiny_dir, r
     """What CUDA runs (fused projections; keys gathered by slot, no shared-prefix split, SDPA
     with the step's additive mask for prefill chunks and decode rows; with ``cuda_graphs`` the
     padded decode body that graphs capture), on a CPU: the CPU's own kernels never take it."""
-    monkeypatch.setattr(attention, "cpu_kernels", lambda device: False)
+    monkeypatch.setattr(choice, "cpu_kernels", lambda device: False)
     chosen = []
     sdpa = F.scaled_dot_product_attention
 
@@ -80,11 +83,12 @@ def test_the_cuda_attention_wiring_run_on_a_cpu_matches_transformers(tiny_dir, r
         chosen.append(q.shape[2])
         return sdpa(q, *args, **kwargs)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(gather_sdpa.F, "scaled_dot_product_attention", spy)
     for cpu_only in ("_decode_by_matmuls", "_decode_by_sdpa", "_prefill_by_matmuls", "_prefix_partial"):
-        monkeypatch.setattr(attention, cpu_only, None)  # (calling one would raise)
+        monkeypatch.setattr(cpu, cpu_only, None)  # (calling one would raise)
     model = Qwen3.from_directory(tiny_dir, dtype="float32", pack_weights=False, fused_projections=True)
     engine = Engine(model, num_pages=64, page_size=4, token_budget=40, prefill_chunk=24, cuda_graphs=cuda_graphs)
+    assert type(engine.attention) is gather_sdpa.GatherSdpa and engine.attention_backend == "sdpa"
     shared = _prompts(3, (13,))[0]  # a cached prefix: the CPU path would attend it apart
     prompts = _prompts(4, (5, 31, 17)) + [shared + [7, 8], shared + [9]]
     ids = [engine.submit(p, max_new_tokens=9) for p in prompts[:3]]
@@ -97,33 +101,11 @@ def test_the_cuda_attention_wiring_run_on_a_cpu_matches_transformers(tiny_dir, r
         assert engine.result(rid).output_token_ids == reference_greedy(ref, prompt, 9), prompt
 
 
-def _paged_reference(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, *, seqused_k, block_table,
-                     window_size=(-1, -1), enable_gqa=False):
-    """What ``varlen_attn`` computes over a paged cache (block table, ``seqused_k`` keys per
-    request, causal aligned to the end of the keys), one request at a time."""
-    pages, page, heads, dim = k_cache.shape
-    groups = q.shape[1] // heads
-    out = []
-    for r in range(len(cu_q) - 1):
-        n_q, n_k = int(cu_q[r + 1] - cu_q[r]), int(seqused_k[r])
-        assert n_q <= max_q and n_k <= max_k
-        slots = (block_table[r].long()[:, None] * page + torch.arange(page)).reshape(-1)[:n_k]
-        keys = k_cache.reshape(-1, heads, dim)[slots].repeat_interleave(groups, 1).transpose(0, 1)
-        values = v_cache.reshape(-1, heads, dim)[slots].repeat_interleave(groups, 1).transpose(0, 1)
-        mask = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]
-        if window_size != (-1, 0):
-            mask = torch.ones_like(mask)
-        queries = q[int(cu_q[r]) : int(cu_q[r + 1])].transpose(0, 1)
-        out.append(F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask).transpose(0, 1))
-    return torch.cat(out)
-
-
 def test_paged_varlen_through_decode_graphs_matches_transformers(cpu_model, ref, monkeypatch):
-    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _paged_reference)
-    monkeypatch.setattr(varlen, "probe_varlen", lambda *a, **k: None)
+    use_reference_varlen(monkeypatch, (PAGED, PACKED))
     prompts, lengths = _prompts(2, (1, 6, 45, 30)), (8, 4, 8, 6)
     engine = Engine(cpu_model, num_pages=160, page_size=4, cuda_graphs=True, attention="varlen")
-    assert engine.attention_backend == varlen.PAGED
+    assert engine.attention_backend == PAGED
     ids = [engine.submit(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
     run_to_completion(engine)
     assert [engine.result(i).output_token_ids for i in ids] == [
@@ -148,7 +130,7 @@ def test_packed_key_bucket_covers_the_padded_rows(cpu_model):
     c = cpu_model.config
     kv = KVCache(c.num_hidden_layers, 8, 4, c.num_key_value_heads, c.head_dim, cpu_model.dtype,
                  cpu_model.device, scratch_pages=1)
-    graphs = DecodeGraphs(cpu_model, kv, page_size=4, max_batch=8, max_context=1024, varlen=varlen.PACKED)
+    graphs = DecodeGraphs(cpu_model, kv, page_size=4, max_batch=8, max_context=1024, attention=reference_backend(PACKED))
     for ends in ([342, 341, 341], [1019, 1, 1, 1, 1]):
         batch, _, keys = graphs._shape([SimpleNamespace(end=e) for e in ends])
         assert keys >= sum(ends) + (batch - len(ends)), (ends, batch, keys)
@@ -175,8 +157,8 @@ def test_shared_prefix_merge_stays_finite_at_large_score_gaps():
     ks, vs = torch.randn(b, h, ls, d, generator=g), torch.randn(b, h, ls, d, generator=g)
     scores_p = torch.einsum("bhgd,hld->bhgl", q, kp) * d**-0.5
     assert (scores_p.amax(-1) - torch.einsum("bhgd,bhld->bhgl", q, ks).amax(-1) * d**-0.5).min() > 100
-    parts = attention._softmax_parts(scores_p.clone(), vp[None].expand(b, -1, -1, -1), torch.float32)
-    got = attention._merge_with_prefix(parts, q, ks, vs, torch.zeros(b, 1, grp, ls))
+    parts = cpu._softmax_parts(scores_p.clone(), vp[None].expand(b, -1, -1, -1), torch.float32)
+    got = cpu._merge_with_prefix(parts, q, ks, vs, torch.zeros(b, 1, grp, ls))
     keys = torch.cat([kp[None].expand(b, -1, -1, -1), ks], 2)
     values = torch.cat([vp[None].expand(b, -1, -1, -1), vs], 2)
     want = torch.softmax(q @ keys.transpose(-1, -2) * d**-0.5, -1) @ values
@@ -205,5 +187,22 @@ def test_packing_refuses_a_kernel_that_disagrees(monkeypatch):
         pytest.skip("no packed oneDNN linear here")
     disagreeing = SimpleNamespace(linear=lambda x, w: F.linear(x, w) + 1)
     monkeypatch.setattr(linear, "F", disagreeing)  # the self-check's reference now differs
-    lin = linear.Linear(torch.randn(8, 16))
-    assert lin.pack() is False and lin.packed is None and lin.weight is not None
+    lin = linear.Linear(8, 16, torch.float32, torch.device("cpu"))
+    lin.weight.data.normal_()
+    assert lin.pack() is False and not lin.packed and not lin.weight.is_mkldnn
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_debug_mode_fails_a_step_that_would_read_unwritten_keys(cpu_model, decode):
+    """The engine checks what the step's attention reads against what was written (its own
+    tokens included) before the forward: a request whose earlier keys were lost fails."""
+    engine = Engine(cpu_model, num_pages=16, page_size=4, prefill_chunk=6, debug=True)
+    rid = engine.submit(_prompts(7, (10,))[0], max_new_tokens=4)
+    engine.step()  # the first 6 prompt tokens: their own keys only, nothing unwritten
+    if decode:
+        engine.step()  # the rest of the prompt and the first token
+        assert engine.result(rid).error is None
+    request = engine._requests[rid]
+    engine.kv.forget_pages(request.page_table.pages[:1])
+    engine.step()
+    assert "unwritten KV slot" in engine.result(rid).error

@@ -7,7 +7,8 @@ import torch
 
 from qil_worker import Engine, Qwen3
 from qil_worker.engine.probe import ForwardProbe
-from qil_worker.model.varlen import PACKED, PAGED, probe_varlen
+from qil_worker.attention import PACKED, PAGED
+from qil_worker.attention.choice import probe_varlen
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,14 +29,14 @@ def test_varlen_path_agrees_with_gather_sdpa(model, page_size, mode):
     rng = random.Random(page_size)
     prompts = [[rng.randrange(97) for _ in range(n)] for n in (1, 7, 40, 300)]
     outs = {}
-    for varlen in (None, mode):
-        probe = ForwardProbe(model, num_pages=64 * 256 // page_size, page_size=page_size, varlen=varlen)
+    for attention in ("sdpa", mode):
+        probe = ForwardProbe(model, num_pages=64 * 256 // page_size, page_size=page_size, attention=attention)
         seqs = [probe.sequence(p) for p in prompts]
         first = probe.forward([(s, min(len(p), 5)) for s, p in zip(seqs, prompts)])
         rest = probe.forward([(s, len(p) - 5) for s, p in zip(seqs, prompts) if len(p) > 5])
-        outs[varlen] = torch.cat(first + rest)
-    scale = outs[None].abs().max()
-    assert (outs[mode] - outs[None]).abs().max() < 0.03 * scale
+        outs[attention] = torch.cat(first + rest)
+    scale = outs["sdpa"].abs().max()
+    assert (outs[mode] - outs["sdpa"]).abs().max() < 0.03 * scale
 
     engines = [Engine(model, num_pages=64 * 256 // page_size, page_size=page_size, attention=a) for a in (mode, "sdpa")]
     assert [e.attention_backend for e in engines] == [mode, "sdpa"]

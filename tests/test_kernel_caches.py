@@ -1,4 +1,4 @@
-"""oneDNN's and ideep's per-shape kernel caches are capped in a process that builds a model on CPU.
+"""oneDNN's and ideep's per-shape kernel caches are capped in a process set up to serve on CPU.
 
 Uncapped, each new input shape (the token count of a step) keeps a compiled kernel of ~0.5 MB
 for the first 1,024 shapes: a serving worker grew by ~1.1 GB, which looks like a leak.
@@ -20,11 +20,13 @@ from qil_worker.model.linear import packing_supported
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# In a fresh process: build the model from a checkpoint (packed for oneDNN), then compute the LM
-# head for 599 different row counts; report the cache settings and malloc's growth in use.
+# In a fresh process: the start-up settings (as the worker, CLI and benchmarks make them), the
+# model from a checkpoint (packed for oneDNN), then the LM head for 599 different row counts;
+# report the cache settings and malloc's growth in use.
 _PROBE = """
 import ctypes, json, os, sys
 import torch
+from qil_worker.cpu_memory import configure_process
 from qil_worker.model.qwen3 import Qwen3
 
 class MallInfo2(ctypes.Structure):
@@ -33,6 +35,7 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
+configure_process("cpu")
 model = Qwen3.from_directory(sys.argv[1], dtype=torch.float32)
 hidden = torch.randn(600, model.config.hidden_size)
 model.logits(hidden[:1])
@@ -56,11 +59,13 @@ def _probe(checkpoint: Path, **env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_bound_kernel_caches_sets_both_caps_but_keeps_a_users_choice(monkeypatch):
+def test_configure_process_sets_both_caps_but_keeps_a_users_choice(monkeypatch):
     first, second = cpu_memory.KERNEL_CACHE_VARIABLES
     monkeypatch.delenv(first, raising=False)
     monkeypatch.setenv(second, "4096")
-    cpu_memory.bound_kernel_caches()
+    cpu_memory.configure_process("cuda")  # nothing to cap off CPU
+    assert first not in os.environ
+    cpu_memory.configure_process("cpu")
     assert os.environ[first] == str(cpu_memory.KERNEL_CACHE_CAPACITY)
     assert os.environ[second] == "4096"
 
@@ -69,7 +74,7 @@ def test_bound_kernel_caches_sets_both_caps_but_keeps_a_users_choice(monkeypatch
     not sys.platform.startswith("linux") or not packing_supported(torch.device("cpu"), torch.float32),
     reason="needs glibc's mallinfo2 and oneDNN-packed linears",
 )
-def test_a_model_built_on_cpu_caps_the_kernel_caches_of_its_process(tiny_dir):
+def test_start_up_on_cpu_caps_the_kernel_caches_of_its_process(tiny_dir):
     capped = _probe(tiny_dir)
     uncapped = _probe(tiny_dir, **{name: "100000" for name in cpu_memory.KERNEL_CACHE_VARIABLES})
     assert capped["caps"] == [str(cpu_memory.KERNEL_CACHE_CAPACITY)] * 2

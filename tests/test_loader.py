@@ -24,9 +24,9 @@ def test_loads_every_tensor(tiny_dir):
     ref = load_reference(tiny_dir).state_dict()
     layer = model.layers[1]
     assert torch.equal(model.embed, ref["model.embed_tokens.weight"])
-    assert torch.equal(layer.qkv[:64], ref["model.layers.1.self_attn.q_proj.weight"])
-    assert torch.equal(layer.qkv[96:], ref["model.layers.1.self_attn.v_proj.weight"])
-    assert torch.equal(layer.mlp.gate_up[96:], ref["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(layer.qk_proj.weight[:64], ref["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(layer.v_proj.weight, ref["model.layers.1.self_attn.v_proj.weight"])
+    assert torch.equal(layer.mlp.up_proj.weight, ref["model.layers.1.mlp.up_proj.weight"])
     assert model.lm_head is None
 
 

@@ -5,7 +5,7 @@ kernel (CUDA only). Here that kernel is replaced by a slow reference with the sa
 per request, causal attention aligned to the end of its keys, GQA — so what qil computes around
 it (the packed key slots, the offsets, the decode-graph buckets and scratch rows) is checked
 against the SDPA path and transformers on CPU. The real kernel is checked against SDPA in
-``test_gpu.py`` and at start-up by ``probe_varlen``.
+``test_gpu.py`` and at start-up by ``choice.probe_varlen``.
 """
 
 import random
@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
-from varlen_helpers import reference_kernel, use_reference_packed_kernel
+from varlen_helpers import use_reference_packed_kernel
 from qil_worker import Engine, FinishReason
-from qil_worker.engine.batch import packed_key_slots
-from qil_worker.engine.decode_graphs import decode_metadata, key_buckets
+from qil_worker.attention import PACKED, PAGED, choice, varlen
+from qil_worker.attention.choice import choose_backend
+from qil_worker.attention.reference import reference_backend, reference_varlen_attn
+from qil_worker.attention.varlen import packed_key_slots
+from qil_worker.engine.decode_graphs import key_buckets
 from qil_worker.engine.probe import ForwardProbe
-from qil_worker.model import varlen
-from qil_worker.model.varlen import PACKED, choose_attention
 
 
 @pytest.fixture
@@ -46,9 +47,11 @@ def test_packed_key_slots_follow_each_rows_pages():
 def test_decode_metadata_packs_keys_and_sends_the_tail_to_scratch():
     tables = torch.tensor([[7, 2], [4, 9], [6, 6]])  # row 2: a padded row (scratch page 6)
     positions = torch.tensor([5, 2, 0])  # keys 0..5, 0..2, 0..0
-    meta = decode_metadata(tables, positions, 4, 8, 2, PACKED, keys=16, scratch_slot=24).varlen
+    meta = reference_backend(PACKED).decode_metadata(tables, positions, 4, 8, 2, keys=16, scratch_slot=24)
     assert meta.cu_seq_k.tolist() == [0, 6, 9, 10] and meta.cu_seq_q.tolist() == [0, 1, 2, 3]
-    assert meta.block_table is None and meta.max_q == 1 and meta.max_k == 8 and not meta.causal
+    assert meta.block_table is None and meta.max_q == 1 and meta.max_k == 8
+    assert meta.mask == {"window_size": (-1, -1), "enable_gqa": True}  # not causal: one query sees all
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 4 * 4 + 2, 6 * 4 + 0]
     assert meta.key_slots.tolist() == [28, 29, 30, 31, 8, 9] + [16, 17, 18] + [24] + [24] * 6
 
 
@@ -61,15 +64,15 @@ def test_packed_logits_equal_the_sdpa_path(model, packed_anywhere):
     """Prefill chunks of several lengths and single tokens in one forward, then more of each."""
     prompts = _prompts([1, 7, 40, 130], seed=4)
     outs = {}
-    for mode in (None, PACKED):
-        probe = ForwardProbe(model, num_pages=128, page_size=4, varlen=mode)
+    for mode in ("sdpa", PACKED):
+        probe = ForwardProbe(model, num_pages=128, page_size=4, attention=mode)
         seqs = [probe.sequence(p) for p in prompts]
         first = probe.forward([(s, min(len(p), 5)) for s, p in zip(seqs, prompts)])
         rest = probe.forward([(s, len(p) - 5) for s, p in zip(seqs, prompts) if len(p) > 5])
         outs[mode] = torch.cat(first + rest)
-    scale = outs[None].abs().max()
+    scale = outs["sdpa"].abs().max()
     tolerance = 1e-4 if model.dtype == torch.float32 else 3e-2
-    assert (outs[PACKED] - outs[None]).abs().max() <= tolerance * scale
+    assert (outs[PACKED] - outs["sdpa"]).abs().max() <= tolerance * scale
 
 
 def test_packed_engine_matches_transformers_through_the_decode_graph_path(model, ref, packed_anywhere):
@@ -90,22 +93,26 @@ def test_packed_engine_matches_transformers_through_the_decode_graph_path(model,
 
 def test_attention_choice():
     cpu = torch.device("cpu")
-    assert choose_attention("auto", cpu, torch.float32, 16, 4, 2, 16) == ("sdpa", "not a CUDA device")
-    assert choose_attention("sdpa", cpu, torch.float32, 16, 4, 2, 16) == ("sdpa", None)
+    backend, why = choose_backend("auto", cpu, torch.float32, 16, 4, 2, 16)
+    assert (backend.name, why) == ("sdpa", "not a CUDA device")
+    backend, why = choose_backend("sdpa", cpu, torch.float32, 16, 4, 2, 16)
+    assert (backend.name, why) == ("sdpa", None)
     with pytest.raises(ValueError, match="unavailable: not a CUDA device"):
-        choose_attention("varlen-packed", cpu, torch.bfloat16, 16, 4, 2, 16)
+        choose_backend("varlen-packed", cpu, torch.bfloat16, 16, 4, 2, 16)
     with pytest.raises(ValueError, match="attention must be one of"):
-        choose_attention("flash", cpu, torch.float32, 16, 4, 2, 16)
+        choose_backend("flash", cpu, torch.float32, 16, 4, 2, 16)
 
 
 def _fake_varlen_attn(aligned_to_end: bool):
-    """``varlen_attn`` with torch 2.13's signature, computed by ``reference_kernel``; with
+    """``varlen_attn`` with torch 2.13's signature, computed by ``reference_varlen_attn``; with
     ``aligned_to_end=False`` the causal mask starts at each request's first key instead (the
     kind of semantic difference the start-up probe must refuse)."""
 
     def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False,
              seqused_k=None, block_table=None):
-        assert window_size in ((-1, 0), (-1, -1)) and enable_gqa
+        if aligned_to_end:
+            return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size,
+                                         enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table)
         if block_table is not None:  # paged: each request's keys through its pages
             page_size = key.shape[1]
             flat_k, flat_v = key.flatten(0, 1), value.flatten(0, 1)
@@ -116,22 +123,34 @@ def _fake_varlen_attn(aligned_to_end: bool):
             ]
             key, value = flat_k[slots], flat_v[slots]
             cu_seq_k = torch.tensor([0] + seqused_k.cumsum(0).tolist())
-        if not aligned_to_end:  # drop the keys a top-left mask would hide from the last query
-            q_lens = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
-            keep = [list(range(s, s + n)) for s, n in zip(cu_seq_k[:-1].tolist(), q_lens)]
-            key, value = key[sum(keep, [])], value[sum(keep, [])]
-            cu_seq_k = cu_seq_q
-        meta = varlen.VarlenMetadata(cu_seq_q, cu_seq_k, None, None, max_q, max_k, causal=window_size == (-1, 0))
-        return reference_kernel(query, key, value, meta)
+        # drop the keys a top-left mask would hide from the last query
+        q_lens = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+        keep = [list(range(s, s + n)) for s, n in zip(cu_seq_k[:-1].tolist(), q_lens)]
+        key, value = key[sum(keep, [])], value[sum(keep, [])]
+        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_q, max_q, max_k, window_size=window_size,
+                                     enable_gqa=enable_gqa)
 
     return fake
 
 
-@pytest.mark.parametrize("mode", [varlen.PAGED, PACKED])
+@pytest.mark.parametrize("mode", [PAGED, PACKED])
 def test_startup_probe_accepts_a_kernel_that_agrees_and_refuses_one_that_does_not(monkeypatch, mode):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=True))
+    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=True))
     for q_lens, causal in (((2, 1), True), ((1, 1), False)):
-        assert varlen._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode, q_lens, causal) is None
-    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=False))
-    assert "(causal) differs from SDPA" in varlen._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode)
+        assert choice._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode, q_lens, causal) is None
+    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: _fake_varlen_attn(aligned_to_end=False))
+    assert "(causal) differs from SDPA" in choice._check_against_sdpa(cpu, torch.float32, 4, 4, 2, 8, mode)
+
+
+@pytest.mark.parametrize("mode", [PAGED, PACKED])
+def test_a_backend_object_plugs_into_the_engine(model, ref, mode):
+    """An engine takes a backend object as it takes a name: batches, decode graphs and the model
+    run it without knowing which it is."""
+    prompts = _prompts([3, 30], seed=2)
+    engine = Engine(model, num_pages=64, page_size=4, cuda_graphs=True, attention=reference_backend(mode))
+    assert engine.attention_backend == mode
+    ids = [engine.submit(p, max_new_tokens=6) for p in prompts]
+    run_to_completion(engine)
+    assert [engine.result(i).output_token_ids for i in ids] == [reference_greedy(ref, p, 6) for p in prompts]
+    assert engine.decode_graphs.steps >= 4

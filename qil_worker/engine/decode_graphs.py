@@ -6,9 +6,10 @@ batch bucket and a context bucket and replayed from a graph captured for that sh
 
 - static inputs — token ids, positions and a block table — are the only things copied per step;
   everything attention needs (KV slots, the mask or the varlen offsets) is derived from them
-  *inside* the graph, so the graph works for the SDPA gather path and for varlen alike;
-- the gather + SDPA path pads every row to the context bucket; the packed varlen path gathers
-  only real keys, so its second bucket is the step's total key count (powers of two) instead;
+  *inside* the graph by the attention backend (``decode_metadata``), whichever backend it is;
+- gathering backends pad every row to the context bucket; a backend that packs keys
+  (``packs_keys``) gathers only real keys, so its second bucket is the step's total key count
+  (powers of two) instead;
 - padded rows read and write only the KV cache's scratch page, never a real request's;
 - the graph stops at the decoder stack's hidden states, and the final norm + LM head run eagerly
   on the real rows only, so each graph's output stays small and memory is one shared pool.
@@ -27,19 +28,18 @@ from itertools import chain
 
 import torch
 
+from qil_worker.attention.backend import AttentionBackend
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.kv import KVCache
 from qil_worker.model import Qwen3
-from qil_worker.model.attention import AttentionGroup, AttentionMetadata
-from qil_worker.model.varlen import PACKED, PAGED, VarlenMetadata
 
 log = logging.getLogger(__name__)
 
 SMALL_BATCHES = (1, 2, 4, 8)
 MIN_CONTEXT_BUCKET = 256
 MIN_KEY_BUCKET = 1024
-# The gather + SDPA path materialises [batch, context] keys and values per layer; a graph keeps
-# that workspace reserved, so shapes whose gather exceeds this run eagerly instead.
+# A gathering backend materialises [batch, context] keys and values per layer (packed: the
+# bucket's keys); a graph keeps that workspace reserved, so shapes whose gather exceeds this run eagerly instead.
 MAX_GATHER_BYTES = 4 << 30
 
 
@@ -63,7 +63,8 @@ def context_buckets(max_context: int, page_size: int) -> list[int]:
 
 
 def key_buckets(max_keys: int) -> list[int]:
-    """Powers of two from 1,024 keys, the last covering ``max_keys`` (packed varlen graphs)."""
+    """Powers of two from 1,024 keys, the last covering ``max_keys`` (graphs of backends that
+    pack keys)."""
     sizes, n = [], MIN_KEY_BUCKET
     while n < max_keys:
         sizes.append(n)
@@ -81,15 +82,15 @@ class DecodeGraphs:
         page_size: int,
         max_batch: int,
         max_context: int,
-        varlen: str | None,
+        attention: AttentionBackend,
     ) -> None:
-        """``varlen``: ``varlen.PAGED``, ``varlen.PACKED`` or None (gather + SDPA)."""
+        """``attention``: the engine's backend, which builds the metadata inside each graph."""
         if kv.scratch_page is None:
             raise ValueError("the KV cache needs a scratch page for padded decode rows")
         self.model = model
         self.kv = kv
         self.page_size = page_size
-        self.varlen = varlen
+        self.attention = attention
         self.capture = model.device.type == "cuda"  # False after a failed capture: eager from then on
         self._pin = model.device.type == "cuda"  # staging buffers in pinned memory
         self._bytes_per_key = kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
@@ -116,23 +117,23 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def handles(self, chunks: list[ScheduledChunk]) -> bool:
-        """A decode-only step that fits the buckets (and, for gather + SDPA, the gather cap)."""
+        """A decode-only step that fits the buckets (and, for a gathering backend, the gather cap)."""
         if len(chunks) > self.batches[-1] or not all(c.num_tokens == 1 and c.samples for c in chunks):
             return False
         if max(c.end for c in chunks) > self.contexts[-1]:
             return False
-        if self.varlen == PAGED:
+        if not self.attention.gathers_keys:
             return True
         batch, context, keys = self._shape(chunks)
-        gathered = keys if self.varlen == PACKED else batch * context
+        gathered = keys if self.attention.packs_keys else batch * context
         return 2 * gathered * self._bytes_per_key <= MAX_GATHER_BYTES
 
     def _shape(self, chunks: list[ScheduledChunk]) -> tuple[int, int, int]:
-        """The (batch, context, keys) buckets a step is padded to; keys only for packed varlen
-        (each padded row has one key, on the scratch page)."""
+        """The (batch, context, keys) buckets a step is padded to; keys only for a backend that
+        packs keys (each padded row has one key, on the scratch page)."""
         batch = self.batches[bisect.bisect_left(self.batches, len(chunks))]
         context = self.contexts[bisect.bisect_left(self.contexts, max(c.end for c in chunks))]
-        if self.varlen != PACKED:
+        if not self.attention.packs_keys:
             return batch, context, 0
         total = sum(c.end for c in chunks) + batch - len(chunks)
         return batch, context, self.keys[bisect.bisect_left(self.keys, total)]
@@ -144,7 +145,7 @@ class DecodeGraphs:
         batch, context, keys = self._shape(chunks)
         self._stage(chunks, batch, context // self.page_size)
         # packed graphs read the whole table width, so one graph serves every context
-        shape = (batch, keys) if self.varlen == PACKED else (batch, context)
+        shape = (batch, keys) if self.attention.packs_keys else (batch, context)
         captured = self._graphs.get(shape)
         if captured is None and self.capture:
             try:
@@ -182,18 +183,17 @@ class DecodeGraphs:
         """The graph's contents: metadata from the static buffers, then the decoder stack."""
         batch, second = shape
         positions = self._positions[:batch]
-        if self.varlen == PACKED:
+        query_groups = self.model.config.num_query_groups
+        if self.attention.packs_keys:
             # no row has more keys than all rows together: a bound on the longest that is tighter
             # than the largest context for small batches
-            meta = decode_metadata(
-                self._tables[:batch], positions, self.page_size, min(second, self.contexts[-1]),
-                self.model.config.num_query_groups, PACKED, keys=second,
-                scratch_slot=self.kv.scratch_page * self.page_size,
+            meta = self.attention.decode_metadata(
+                self._tables[:batch], positions, self.page_size, min(second, self.contexts[-1]), query_groups,
+                keys=second, scratch_slot=self.kv.scratch_page * self.page_size,
             )
         else:
-            meta = decode_metadata(
-                self._tables[:batch, : second // self.page_size], positions, self.page_size, second,
-                self.model.config.num_query_groups, self.varlen,
+            meta = self.attention.decode_metadata(
+                self._tables[:batch, : second // self.page_size], positions, self.page_size, second, query_groups,
             )
         return self.model.hidden_states(self._ids[:batch], positions, meta, self.kv)
 
@@ -215,78 +215,8 @@ class DecodeGraphs:
         self.capture_seconds += seconds
         log.info(
             "captured decode CUDA graph: batch %d, %s %d, in %.0f ms (%d graphs, %.1f s total)",
-            shape[0], "keys" if self.varlen == PACKED else "context", shape[1], 1000 * seconds,
+            shape[0], "keys" if self.attention.packs_keys else "context", shape[1], 1000 * seconds,
             len(self._graphs), self.capture_seconds,
         )
         return graph, hidden
 
-
-def decode_metadata(
-    tables: torch.Tensor,
-    positions: torch.Tensor,
-    page_size: int,
-    context: int,
-    query_groups: int,
-    varlen: str | None,
-    keys: int = 0,
-    scratch_slot: int = 0,
-) -> AttentionMetadata:
-    """Attention metadata for one decode token per row, derived on the device (graph-safe).
-
-    ``tables`` [B, pages] page ids (padding = scratch page), ``positions`` [B]: each row's token
-    position, which is also how many keys it has before this token. ``context``: the keys a row
-    may have at most (gather + SDPA: the padded width, ``tables`` [B, context/page_size]).
-    Packed varlen: ``keys``, the static length of the packed key gather (at least the rows'
-    total); the slots after the last row's keys read ``scratch_slot``.
-    """
-    rows = torch.arange(tables.shape[0], device=tables.device)
-    slot_mapping = tables[rows, positions // page_size] * page_size + positions % page_size
-    if varlen == PACKED:
-        used = positions + 1
-        ends = used.cumsum(0)
-        index = torch.arange(keys, device=tables.device)
-        row = torch.searchsorted(ends, index, right=True).clamp_(max=tables.shape[0] - 1)
-        position = (index - ends[row] + used[row]).clamp_(0, tables.shape[1] * page_size - 1)
-        slots = tables[row, position // page_size] * page_size + position % page_size
-        cu_k = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
-        cu_k[1:] = ends
-        meta = VarlenMetadata(
-            cu_seq_q=torch.arange(tables.shape[0] + 1, dtype=torch.int32, device=tables.device),
-            cu_seq_k=cu_k,
-            seq_used_k=used.to(torch.int32),
-            block_table=None,
-            max_q=1,
-            max_k=context,
-            key_slots=torch.where(index < ends[-1], slots, scratch_slot),
-            causal=False,  # one query per row, which sees all its keys
-        )
-        return AttentionMetadata(slot_mapping, [], varlen=meta, page_size=page_size)
-    if varlen == PAGED:
-        used = (positions + 1).to(torch.int32)
-        cu_k = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
-        cu_k[1:] = used.cumsum(0, dtype=torch.int32)
-        meta = VarlenMetadata(
-            cu_seq_q=torch.arange(tables.shape[0] + 1, dtype=torch.int32, device=tables.device),
-            cu_seq_k=cu_k,
-            seq_used_k=used,
-            block_table=tables.to(torch.int32),
-            max_q=1,
-            max_k=context,
-            causal=False,  # one query per row, which sees all its keys
-        )
-        return AttentionMetadata(slot_mapping, [], varlen=meta, page_size=page_size)
-    keys = torch.arange(context, device=tables.device)
-    key_slots = tables[:, keys // page_size] * page_size + keys % page_size
-    mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
-    mask = mask.expand(-1, 1, query_groups, -1)
-    group = AttentionGroup(
-        start=0,
-        end=tables.shape[0],
-        batch=tables.shape[0],
-        q_max=1,
-        pad_index=None,
-        key_slots=key_slots,
-        key_lengths=positions + 1,
-        mask=mask,
-    )
-    return AttentionMetadata(slot_mapping, [group], page_size=page_size)

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from qil_worker import cpu_memory
+from qil_worker.attention.backend import AttentionBackend
+from qil_worker.attention.choice import choose_backend
 from qil_worker.engine.batch import build_step_batch
 from qil_worker.engine.decode_graphs import DecodeGraphs
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
@@ -30,7 +31,6 @@ from qil_worker.errors import (
 )
 from qil_worker.kv import KVCache, PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.model import Qwen3
-from qil_worker.model.varlen import SDPA, choose_attention
 from qil_worker.text.output import TextOutput
 from qil_worker.text.prompt import encode_prompt
 
@@ -92,14 +92,14 @@ class Engine:
         prefix_cache: bool = True,
         cuda_graphs: bool | None = None,
         schedule_policy: str = "fcfs",
-        attention: str = "auto",
+        attention: str | AttentionBackend = "auto",
     ) -> None:
         """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
         off with ``debug``). Given ``True`` on another device, the same padded decode path runs
         without capture (for tests). ``schedule_policy``: the order waiting requests are admitted
         in, ``"fcfs"`` or ``"shortest-first"`` (see ``qil_worker.engine.schedule_policy``).
         ``attention``: ``"auto"``, ``"sdpa"``, ``"varlen"`` (paged) or ``"varlen-packed"`` (CUDA;
-        see ``qil_worker.model.varlen``)."""
+        see ``qil_worker.attention.choice``), or a backend object (``attention.backend``)."""
         for name, value in (
             ("num_pages", num_pages),
             ("page_size", page_size),
@@ -111,8 +111,6 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         c = model.config
         self.model = model
-        if model.device.type == "cpu":
-            cpu_memory.keep_freed_memory()
         self.tokenizer = tokenizer  # optional: text prompts, text deltas, stop strings
         self.page_size = page_size
         if cuda_graphs and debug and model.device.type == "cuda":
@@ -130,17 +128,21 @@ class Engine:
             policy=schedule_policy,
         )
         self.sampler = Sampler()
-        self.attention_backend, why_not = choose_attention(
-            attention, model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads,
-            c.head_dim,
-        )
+        if isinstance(attention, AttentionBackend):
+            self.attention, why_not = attention, None
+        else:
+            self.attention, why_not = choose_backend(
+                attention, model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads,
+                c.head_dim,
+            )
+        self.attention_backend = self.attention.name  # as GetInfo reports it
         if why_not and model.device.type == "cuda":
             log.info("attention: gather + SDPA (paged varlen flash attention unavailable: %s)", why_not)
         self.decode_graphs = (
             DecodeGraphs(
                 model, self.kv, page_size, max_batch=min(max_active, MAX_GRAPH_BATCH),
                 max_context=min(c.max_position_embeddings, num_pages * page_size),
-                varlen=self._varlen,
+                attention=self.attention,
             )
             if cuda_graphs
             else None
@@ -264,9 +266,9 @@ class Engine:
                 computed = sampled_chunks = chunks
             else:
                 batch = build_step_batch(
-                    chunks, self.page_size, self.model.config.num_query_groups, self.model.device,
-                    varlen=self._varlen,
+                    chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
                 )
+                self.kv.check_reads(batch.attention)
                 logits = self.model(
                     batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices
                 )
@@ -294,11 +296,6 @@ class Engine:
                 )
             )
         return events
-
-    @property
-    def _varlen(self) -> str | None:
-        """The varlen kernel the step's attention uses (``varlen.PAGED`` / ``PACKED``), or None."""
-        return None if self.attention_backend == SDPA else self.attention_backend
 
     def _accept_token(
         self,

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from qil_worker.attention.backend import AttentionBackend
+from qil_worker.attention.choice import choose_backend
 from qil_worker.engine.batch import build_step_batch
 from qil_worker.engine.outputs import RequestMetrics
 from qil_worker.engine.request import Request
@@ -21,11 +23,19 @@ from qil_worker.model import Qwen3
 
 
 class ForwardProbe:
-    def __init__(self, model: Qwen3, num_pages: int = 256, page_size: int = 16, varlen: str | None = None) -> None:
+    def __init__(
+        self, model: Qwen3, num_pages: int = 256, page_size: int = 16, attention: str | AttentionBackend = "sdpa"
+    ) -> None:
+        """``attention``: a backend's name (as ``Engine`` takes it) or the backend itself."""
         c = model.config
         self.model = model
         self.page_size = page_size
-        self.varlen = varlen  # a CUDA varlen kernel (``varlen.PAGED`` / ``PACKED``) instead of SDPA
+        if not isinstance(attention, AttentionBackend):
+            attention, _ = choose_backend(
+                attention, model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads,
+                c.head_dim,
+            )
+        self.attention = attention
         self.kv = KVCache(
             c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
             model.dtype, model.device, debug=True,
@@ -54,9 +64,9 @@ class ForwardProbe:
                 raise RuntimeError("probe page pool exhausted")
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
         batch = build_step_batch(
-            chunks, self.page_size, self.model.config.num_query_groups, self.model.device,
-            varlen=self.varlen,
+            chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
         )
+        self.kv.check_reads(batch.attention)
         total = sum(c.num_tokens for c in batch.chunks)
         every = torch.arange(total, device=self.model.device)
         logits = self.model(batch.input_ids, batch.positions, batch.attention, self.kv, every).float()

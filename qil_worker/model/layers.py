@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qil_worker import cpu_memory
-from qil_worker.model.linear import Linear, pack_and_release
+from qil_worker.model.linear import Linear, pack_all
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,8 +93,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; gate and up are one weight, used as one matmul when
-    ``fused`` (CUDA) or as two contiguous row slices."""
+    """``down(silu(gate(x)) * up(x))``; gate and up are one projection (one matmul) when
+    ``fused`` (CUDA), else two."""
 
     def __init__(
         self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device, fused: bool = True
@@ -103,19 +102,33 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate = intermediate
         self.fused = fused
-        self.gate_up = nn.Parameter(cpu_memory.empty((2 * intermediate, hidden), dtype, device), requires_grad=False)
-        self.down = nn.Parameter(cpu_memory.empty((hidden, intermediate), dtype, device), requires_grad=False)
-        gate_up = self.gate_up.data
-        self.gate_up_proj = [Linear(gate_up)] if fused else [Linear(gate_up[:intermediate]), Linear(gate_up[intermediate:])]
-        self.down_proj = Linear(self.down.data)
+        if fused:
+            self.gate_up_proj = Linear(2 * intermediate, hidden, dtype, device)
+        else:
+            self.gate_proj = Linear(intermediate, hidden, dtype, device)
+            self.up_proj = Linear(intermediate, hidden, dtype, device)
+        self.down_proj = Linear(hidden, intermediate, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            gate, up = self.gate_up_proj[0](x).split(self.intermediate, dim=-1)
+            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         else:
-            gate, up = (proj(x) for proj in self.gate_up_proj)
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
+    def projections(self) -> list[Linear]:
+        return [self.gate_up_proj] if self.fused else [self.gate_proj, self.up_proj]
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name → the (view of the) weight it is loaded into."""
+        if self.fused:
+            gate_up = self.gate_up_proj.weight.data
+            gate, up = gate_up[: self.intermediate], gate_up[self.intermediate :]
+        else:
+            gate, up = self.gate_proj.weight.data, self.up_proj.weight.data
+        return {prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
+                prefix + "down_proj.weight": self.down_proj.weight.data}
+
     def pack_weights(self) -> bool:
-        """Pack the projections for oneDNN (see ``linear.py``) and release the plain parameters."""
-        return pack_and_release([*self.gate_up_proj, self.down_proj], [self.gate_up, self.down])
+        """Pack the projections for oneDNN (see ``linear.py``), all or none."""
+        return pack_all([*self.projections(), self.down_proj])

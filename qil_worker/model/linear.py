@@ -1,15 +1,15 @@
-"""``y = x Wᵀ`` for one projection, optionally over weights packed once for oneDNN on CPU.
+"""``y = x Wᵀ`` for one projection, over a plain weight or one packed once for oneDNN on CPU.
 
 Every call of ``F.linear`` on CPU hands oneDNN a plain row-major weight, which it re-blocks on
-the fly; a decode step reads each weight once, so that re-blocking is a second pass over all
-of them. Packing the weights once after loading (``torch.ops.mkldnn._reorder_linear_weight``,
-the same op torch's own CPU compiler uses for frozen weights) removes it. Measured on the
-2-core bench machine, 28 layers' weights, 2 threads: bf16 decode-sized matmuls (1–16 rows)
-1.3–1.9x faster, 64 rows 1.15–1.25x, 512 rows ~1.05x; float32 1.6–2.3x for 1–64 rows; the
-bf16 results are bit-identical, float32 differ only in summation order.
+the fly; a decode step reads each weight once, so that re-blocking is a second pass over all of
+them. Packing the weights once after loading (``torch.ops.mkldnn._reorder_linear_weight``, the
+same op torch's own CPU compiler uses for frozen weights) removes it: decode-sized matmuls run
+markedly faster, bf16 results are bit-identical and float32 ones differ only in summation order
+(see docs/cpu.md).
 
-A weight may be a view into a fused parameter (q/k/v rows of ``qkv``): packing copies it, and
-the plain view is dropped so the parameter's memory can be released (``Qwen3.pack_weights``).
+A ``Linear`` holds exactly one weight, registered as its ``weight`` parameter: packing
+(``pack_all``, one explicit step after loading: ``Qwen3.pack_weights``) replaces the plain
+parameter with the packed one, so what ``state_dict()`` shows is what runs.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qil_worker import cpu_memory
 
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -38,49 +40,61 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-class Linear:
-    """One projection's weight [out, in] and how to apply it (plain or packed)."""
+class Linear(nn.Module):
+    """One projection's weight [out, in] (plain, or packed for oneDNN once ``packed``)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight: torch.Tensor | None = weight
-        self.packed: torch.Tensor | None = None
+    def __init__(
+        self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
+        weight: nn.Parameter | None = None,
+    ) -> None:
+        """``weight``: an existing parameter to use (a tied LM head is the embedding table)."""
+        super().__init__()
+        if weight is None:
+            weight = nn.Parameter(cpu_memory.empty((out_features, in_features), dtype, device), requires_grad=False)
+        self.weight = weight
+        self.packed = False
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return F.linear(x, self.weight)
 
-    def pack(self, keep_plain: bool = False) -> bool:
-        """Pack the weight for oneDNN; False (and unchanged) when that fails its self-check.
+    # Called several times per layer per step: straight to ``forward``, without nn.Module's hook
+    # dispatch (no hooks are used on projections).
+    __call__ = forward
 
-        ``keep_plain``: keep the plain weight too (the tied LM head is also the embedding).
-        """
-        weight = self.weight
-        if weight is None or self.packed is not None:
-            return self.packed is not None
+    def packed_weight(self) -> torch.Tensor | None:
+        """The weight packed for oneDNN, or None when that fails its self-check (or is packed)."""
+        if self.packed:
+            return None
+        weight = self.weight.data
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
             got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "").float()
         except (RuntimeError, AttributeError):
-            return False
+            return None
         want = F.linear(probe, weight).float()
         if got.shape != want.shape or not torch.allclose(got, want, rtol=_TOLERANCE[weight.dtype], atol=_TOLERANCE[weight.dtype]):
-            return False
-        self.packed = packed
-        if not keep_plain:
-            self.weight = None
-        return True
+            return None
+        return packed
+
+    def use_packed(self, packed: torch.Tensor) -> None:
+        """Run on ``packed`` (from ``packed_weight``) from now on; the plain weight is dropped
+        (a tied LM head's plain weight stays the embedding's)."""
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packed = True
+
+    def pack(self) -> bool:
+        """Pack this projection alone; False (and unchanged) when packing fails its self-check."""
+        return pack_all([self])
 
 
-def pack_and_release(linears: list[Linear], params: list[nn.Parameter]) -> bool:
-    """Pack every linear; only when all succeed, release the parameters they were views of."""
-    if not all(linear.pack(keep_plain=True) for linear in linears):
-        for linear in linears:
-            linear.packed = None
+def pack_all(linears: list[Linear]) -> bool:
+    """Pack every linear, or none of them: False (all left plain) when any fails."""
+    packed = [linear.packed_weight() for linear in linears]
+    if any(p is None for p in packed):
         return False
-    for linear in linears:
-        linear.weight = None
-    for param in params:
-        param.data = param.data.new_empty(0)
+    for linear, weight in zip(linears, packed):
+        linear.use_packed(weight)
     return True

@@ -1,8 +1,8 @@
 """Our Qwen3 dense forward over a flat batch of tokens from many requests.
 
 One call computes every scheduled token of a step: tokens of different requests are
-concatenated, each with its absolute position and KV slot; attention keeps requests apart
-(see ``attention.py``). Logits are computed only for ``sample_indices``.
+concatenated, each with its absolute position and KV slot; the step's attention metadata keeps
+requests apart (``qil_worker.attention``). Logits are computed only for ``sample_indices``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from qil_worker import cpu_memory
+from qil_worker.attention.backend import StepAttention
 from qil_worker.config import Qwen3Config
 from qil_worker.kv.cache import KVCache
-from qil_worker.model.attention import AttentionMetadata, paged_attention
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
 from qil_worker.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rope
-from qil_worker.model.linear import Linear, pack_and_release, packing_supported
+from qil_worker.model.linear import Linear, pack_all, packing_supported
 
 log = logging.getLogger(__name__)
 
@@ -42,55 +42,70 @@ class DecoderLayer(nn.Module):
             c.head_dim,
         )
         q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_size = q_size
         self.split = (q_size + kv_size, kv_size)  # queries and keys side by side, then values
-
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(cpu_memory.empty(shape, dtype, device), requires_grad=False)
-
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.qkv = param(q_size + 2 * kv_size, c.hidden_size)  # q, k, v fused into one matmul
-        self.qk_norm = QKNorm(c.head_dim, c.num_attention_heads, c.rms_norm_eps, dtype, device)
-        self.o_proj = param(c.hidden_size, q_size)
-        # On CUDA one wide matmul saves launches; on CPU the split matmuls are faster (measured:
-        # fused [1024 x 6144] gate/up took 74-101 ms vs 2 x 34 ms split, 2 threads), so the fused
-        # weights are used through contiguous row slices there.
+        # On CUDA one wide matmul saves launches; on CPU split matmuls are faster, so there
+        # queries and keys come from one projection (their rows are adjacent), values from another.
         self.fused = device.type == "cuda" if fused is None else fused
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        if self.fused:
+            self.qkv_proj = Linear(q_size + 2 * kv_size, c.hidden_size, dtype, device)
+        else:
+            self.qk_proj = Linear(q_size + kv_size, c.hidden_size, dtype, device)
+            self.v_proj = Linear(kv_size, c.hidden_size, dtype, device)
+        self.qk_norm = QKNorm(c.head_dim, c.num_attention_heads, c.rms_norm_eps, dtype, device)
+        self.o_proj = Linear(c.hidden_size, q_size, dtype, device)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, dtype, device, fused=self.fused)
-        qkv = self.qkv.data
-        # CPU: queries and keys from one matmul (their rows are adjacent), values from another
-        self.qkv_proj = [Linear(qkv)] if self.fused else [Linear(qkv[: q_size + kv_size]), Linear(qkv[q_size + kv_size :])]
-        self.out_proj = Linear(self.o_proj.data)
 
     def forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        attention: StepAttention,
         kv: KVCache,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         h = self.input_norm(x)
         if self.fused:
-            qk, v = self.qkv_proj[0](h).split(self.split, dim=-1)
+            qk, v = self.qkv_proj(h).split(self.split, dim=-1)
         else:
-            qk, v = (proj(h) for proj in self.qkv_proj)
+            qk, v = self.qk_proj(h), self.v_proj(h)
         # query and key heads normed and rotated together, [T, Hq + Hkv, D]
         qk = apply_rope(self.qk_norm(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)), *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        kv.write(self.index, meta.slot_mapping, k, v.view(tokens, self.num_kv_heads, self.head_dim))
-        if kv.debug and self.index == 0:
-            for g in meta.groups:
-                kv.check_readable(g.key_slots, g.key_lengths)
-                if g.prefix_slots is not None:
-                    kv.check_readable(g.prefix_slots[None], torch.tensor([g.prefix_slots.numel()]))
-        attn = paged_attention(q, kv, self.index, meta)
-        x = x + self.out_proj(attn)
+        kv.write(self.index, attention.slot_mapping, k, v.view(tokens, self.num_kv_heads, self.head_dim))
+        x = x + self.o_proj(attention.attend(q, kv, self.index))
         return x + self.mlp(self.post_attention_norm(x))
 
+    def projections(self) -> list[Linear]:
+        return [self.qkv_proj] if self.fused else [self.qk_proj, self.v_proj]
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name → the (view of the) weight it is loaded into."""
+        q, kv = self.q_size, self.split[1]
+        if self.fused:
+            qkv = self.qkv_proj.weight.data
+            q_w, k_w, v_w = qkv[:q], qkv[q : q + kv], qkv[q + kv :]
+        else:
+            qk = self.qk_proj.weight.data
+            q_w, k_w, v_w = qk[:q], qk[q:], self.v_proj.weight.data
+        return {
+            prefix + "input_layernorm.weight": self.input_norm.weight.data,
+            prefix + "post_attention_layernorm.weight": self.post_attention_norm.weight.data,
+            prefix + "self_attn.q_proj.weight": q_w,
+            prefix + "self_attn.k_proj.weight": k_w,
+            prefix + "self_attn.v_proj.weight": v_w,
+            prefix + "self_attn.q_norm.weight": self.qk_norm.q_weight.data,
+            prefix + "self_attn.k_norm.weight": self.qk_norm.k_weight.data,
+            prefix + "self_attn.o_proj.weight": self.o_proj.weight.data,
+            **self.mlp.weight_targets(prefix + "mlp."),
+        }
+
     def pack_weights(self) -> bool:
-        """Pack the projections for oneDNN (see ``linear.py``) and release the plain parameters."""
-        attention = pack_and_release([*self.qkv_proj, self.out_proj], [self.qkv, self.o_proj])
+        """Pack the projections for oneDNN (see ``linear.py``): the attention's all or none, the
+        MLP's all or none."""
+        attention = pack_all([*self.projections(), self.o_proj])
         return self.mlp.pack_weights() and attention
 
 
@@ -106,8 +121,6 @@ class Qwen3(nn.Module):
         super().__init__()
         self.config = config
         device = torch.device(device)
-        if device.type == "cpu":
-            cpu_memory.bound_kernel_caches()  # before packing: the first oneDNN call fixes them
         self.embed = nn.Parameter(
             cpu_memory.empty((config.vocab_size, config.hidden_size), dtype, device), requires_grad=False
         )
@@ -115,18 +128,19 @@ class Qwen3(nn.Module):
             DecoderLayer(i, config, dtype, device, fused_projections) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Parameter(
-                cpu_memory.empty((config.vocab_size, config.hidden_size), dtype, device),
-                requires_grad=False,
-            )
+        # tied: the LM head is the embedding table itself (until packing gives it its own copy)
+        self.head = Linear(
+            config.vocab_size, config.hidden_size, dtype, device,
+            weight=self.embed if config.tie_word_embeddings else None,
         )
-        self.head = Linear(self.embed.data if self.lm_head is None else self.lm_head.data)
         self.rope = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, dtype, device
         )
+
+    @property
+    def lm_head(self) -> torch.Tensor | None:
+        """The untied LM head's weight (None when the head is the embedding table)."""
+        return None if self.config.tie_word_embeddings else self.head.weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -170,29 +184,11 @@ class Qwen3(nn.Module):
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name → the (view of the) parameter it is loaded into."""
-        c = self.config
         targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed.data, "model.norm.weight": self.norm.weight.data}
         if self.lm_head is not None:
             targets["lm_head.weight"] = self.lm_head.data
-        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            qkv, gate_up = layer.qkv.data, layer.mlp.gate_up.data
-            targets.update(
-                {
-                    p + "input_layernorm.weight": layer.input_norm.weight.data,
-                    p + "post_attention_layernorm.weight": layer.post_attention_norm.weight.data,
-                    p + "self_attn.q_proj.weight": qkv[:q_size],
-                    p + "self_attn.k_proj.weight": qkv[q_size : q_size + kv_size],
-                    p + "self_attn.v_proj.weight": qkv[q_size + kv_size :],
-                    p + "self_attn.q_norm.weight": layer.qk_norm.q_weight.data,
-                    p + "self_attn.k_norm.weight": layer.qk_norm.k_weight.data,
-                    p + "self_attn.o_proj.weight": layer.o_proj.data,
-                    p + "mlp.gate_proj.weight": gate_up[: c.intermediate_size],
-                    p + "mlp.up_proj.weight": gate_up[c.intermediate_size :],
-                    p + "mlp.down_proj.weight": layer.mlp.down.data,
-                }
-            )
+            targets.update(layer.weight_targets(f"model.layers.{i}."))
         return targets
 
     @torch.inference_mode()
@@ -200,17 +196,17 @@ class Qwen3(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        attention: StepAttention,
         kv: KVCache,
         sample_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Compute all ``input_ids`` [T] and return logits [S, vocab] at ``sample_indices`` [S]."""
-        hidden = self.hidden_states(input_ids, positions, meta, kv)
+        hidden = self.hidden_states(input_ids, positions, attention, kv)
         return self.logits(hidden.index_select(0, sample_indices))
 
     @torch.inference_mode()
     def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention, kv: KVCache
     ) -> torch.Tensor:
         """The decoder stack: [T] tokens → [T, hidden] before the final norm (writes their K/V).
 
@@ -219,7 +215,7 @@ class Qwen3(nn.Module):
         x = F.embedding(input_ids, self.embed)
         rope = self.rope.lookup(positions)
         for layer in self.layers:
-            x = layer(x, rope, meta, kv)
+            x = layer(x, rope, attention, kv)
         return x
 
     @torch.inference_mode()
@@ -228,21 +224,20 @@ class Qwen3(nn.Module):
         return self.head(self.norm(hidden))
 
     def pack_weights(self) -> int:
-        """Pack every projection and the LM head for oneDNN (CPU; see ``linear.py``), releasing
-        the plain parameters; → how many layers were packed (0 where unsupported).
+        """Pack every projection and the LM head for oneDNN (CPU; see ``linear.py``): each
+        ``Linear`` then holds only its packed weight; → how many layers were packed (0 where
+        unsupported).
 
-        Call after loading: ``weight_targets`` no longer applies. A tied LM head is packed as a
-        copy (the embedding table stays for lookups) — one more vocab x hidden matrix of memory,
-        for an LM head ~1.5x (bf16) to 2x (float32) faster at decode sizes.
+        One explicit step after loading (``from_directory`` takes it): ``weight_targets`` no
+        longer applies. A tied LM head is packed as a copy (the embedding table stays for
+        lookups) — one more vocab x hidden matrix of memory, for a markedly faster LM head at
+        decode sizes.
         """
         if not packing_supported(self.device, self.dtype):
             return 0
         start = time.perf_counter()
         packed = sum(layer.pack_weights() for layer in self.layers)
-        if self.lm_head is None:
-            head = self.head.pack(keep_plain=True)
-        else:
-            head = pack_and_release([self.head], [self.lm_head])
+        head = self.head.pack()
         log.info("weights packed for oneDNN: %d/%d layers, LM head %s (%.1f s)",
                  packed, len(self.layers), "yes" if head else "no", time.perf_counter() - start)
         return packed

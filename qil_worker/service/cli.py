@@ -8,7 +8,7 @@ import asyncio
 import os
 import sys
 
-from qil_worker.attention_backends import ATTENTION_CHOICES
+from qil_worker.attention.names import ATTENTION_CHOICES
 from qil_worker.cli_generate import positive_int
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
 from qil_worker.service import limits, logs

@@ -88,10 +88,12 @@ DEFAULT_NUM_PAGES = 512
 def _load(config: dict[str, Any]):
     import torch
 
+    from qil_worker.cpu_memory import configure_process
     from qil_worker.engine import Engine
     from qil_worker.engine.memory import size_pool
     from qil_worker.model import Qwen3
 
+    configure_process(config.get("device", "cpu"))  # before the model: the first oneDNN call fixes them
     if config.get("threads"):
         torch.set_num_threads(int(config["threads"]))
     model_dir = config.get("model")

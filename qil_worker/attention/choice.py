@@ -1,0 +1,122 @@
+"""Which attention backend an engine runs: the requested name, checked once at start-up.
+
+``auto`` takes the paged varlen kernel where it works, else gather + SDPA (the packed kernel is
+opt-in until it is measured on a GPU); an explicit varlen choice that does not work here is an
+error. Whether a varlen kernel works is found by ``probe_varlen``: it runs the backend on small
+inputs and compares the result with plain SDPA, so a kernel that runs but aligns the causal mask
+differently is refused too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qil_worker.attention.backend import AttentionBackend
+from qil_worker.attention.cpu import CpuAttention
+from qil_worker.attention.names import ATTENTION_CHOICES, PACKED, PAGED, SDPA
+from qil_worker.attention.sdpa import GatherSdpa
+from qil_worker.attention.varlen import VarlenPacked, VarlenPaged, takes_block_table, torch_varlen_attn
+
+
+def cpu_kernels(device: torch.device) -> bool:
+    """Whether ``sdpa`` on ``device`` means the CPU's own paths (``cpu.CpuAttention``) rather
+    than the portable wiring CUDA runs (``sdpa.GatherSdpa``) — one switch, so that a test can
+    run the CUDA wiring on a CPU."""
+    return device.type == "cpu"
+
+
+def choose_backend(
+    requested: str, device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int
+) -> tuple[AttentionBackend, str | None]:
+    """(backend, why the requested varlen kernel is not used, or None) for ``requested`` in
+    ``ATTENTION_CHOICES``."""
+    if requested not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {requested!r}")
+    if requested != SDPA:
+        mode = PACKED if requested == PACKED else PAGED
+        why_not = probe_varlen(device, dtype, page_size, heads, kv_heads, dim, mode)
+        if why_not is None:
+            return (VarlenPacked if mode == PACKED else VarlenPaged)(), None
+        if requested != "auto":
+            raise ValueError(f"attention {requested!r} is unavailable: {why_not}")
+    else:
+        why_not = None
+    return (CpuAttention() if cpu_kernels(device) else GatherSdpa()), why_not
+
+
+def probe_varlen(
+    device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int, mode: str = PAGED
+) -> str | None:
+    """None if ``mode`` (``PAGED`` or ``PACKED``) works here and agrees with SDPA, else why not."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash attention needs float16/bfloat16, not {dtype}"
+    fn = torch_varlen_attn()
+    if fn is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if mode == PAGED and not takes_block_table(fn):
+        return f"torch {torch.__version__} has no varlen_attn with a block table"
+    try:
+        for q_lens, causal in (((2, 1), True), ((1, 1), False)):  # chunks; decode rows as graphs run them
+            why = _check_against_sdpa(device, dtype, page_size, heads, kv_heads, dim, mode, q_lens, causal)
+            if why is not None:
+                return why
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the portable path
+        return f"varlen_attn failed on this build/page size: {type(exc).__name__}: {exc}"
+
+
+class _Pool:
+    """What ``varlen.VarlenMetadata.attend`` reads of a ``KVCache`` (one layer), for the probe."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k[None], v[None]
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+
+def _check_against_sdpa(
+    device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int, mode: str,
+    q_lens: tuple[int, int] = (2, 1), causal: bool = True,
+) -> str | None:
+    """Two requests with 5 and 2 keys and ``q_lens`` queries (their last positions); request 1's
+    pages come first in the pool."""
+    backend = VarlenPacked() if mode == PACKED else VarlenPaged()
+    lengths = (5, 2)
+    pages = [-(-n // page_size) for n in lengths]
+    first_page = (pages[1], 0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(sum(q_lens), heads, dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(sum(pages) * page_size, kv_heads, dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(sum(pages) * page_size, kv_heads, dim, device=device, dtype=dtype, generator=gen)
+    i32 = dict(device=device, dtype=torch.int32)
+    slots = [list(range(first * page_size, first * page_size + n)) for first, n in zip(first_page, lengths)]
+    table = [[first + j for j in range(max(pages))] for first in first_page]  # past the end: unread
+    meta = backend.metadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
+        cu_seq_q=torch.tensor([0, q_lens[0], sum(q_lens)], **i32),
+        cu_seq_k=torch.tensor([0, lengths[0], sum(lengths)], **i32),
+        seq_used_k=torch.tensor(lengths, **i32),
+        tables=torch.tensor(table, device=device).clamp_(max=sum(pages) - 1),
+        max_q=max(q_lens),
+        max_k=max(lengths),
+        causal=causal,
+        page_size=page_size,
+        key_slots=None if mode == PAGED else torch.tensor(slots[0] + slots[1], device=device),
+    )
+    got = meta.attend(q, _Pool(k, v), 0).view(q.shape).float()
+    want = []
+    for (start, end), request_slots in zip(((0, q_lens[0]), (q_lens[0], sum(q_lens))), slots):
+        index = torch.tensor(request_slots, device=device)
+        keys = k.index_select(0, index).float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        values = v.index_select(0, index).float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        n_q, n_k = end - start, len(request_slots)
+        mask = torch.arange(n_k, device=device)[None, :] <= torch.arange(n_k - n_q, n_k, device=device)[:, None]
+        out = F.scaled_dot_product_attention(q[start:end].float().transpose(0, 1), keys, values, attn_mask=mask)
+        want.append(out.transpose(0, 1))
+    error = (got - torch.cat(want)).abs().max().item()
+    kind = "causal" if causal else "decode"
+    return None if error < 2e-2 else f"{mode} attention ({kind}) differs from SDPA by {error:.3g}"
