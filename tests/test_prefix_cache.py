@@ -212,3 +212,24 @@ def test_an_in_flight_hit_compares_tokens_too():
     cache.announce(111, [1, 2], p)
     assert cache.match([5, 6], [111], 1) == []
     assert cache.match([1, 2], [111], 1) == [p] and pool.refs(p) == 2
+
+
+def test_cached_page_count_is_idle_pages_only(model):
+    engine = Engine(model, num_pages=64, page_size=4)
+    prompt = list(range(1, 38))
+    engine.generate([prompt], 2)
+    assert engine.stats().num_pages_cached == 9
+    engine.submit(prompt[:36] + [90], max_new_tokens=4)
+    engine.step()  # the new request holds the 9 cached pages: no longer idle
+    stats = engine.stats()
+    assert stats.num_pages_cached == 0 and stats.num_pages_used == 10
+
+
+def test_prefix_hit_rate_is_cached_over_prompt_tokens(model):
+    engine = Engine(model, num_pages=64, page_size=4)
+    a = list(range(1, 38))           # 37 tokens
+    b = a[:16] + [90, 91, 92, 93, 94]  # 21 tokens: 4 full pages shared
+    engine.generate([a], 2)
+    (r,) = engine.generate([b], 2)
+    assert r.num_cached_tokens == 16
+    assert engine.stats().prefix_cache_hit_rate == pytest.approx(16 / (37 + 21))
