@@ -4,12 +4,13 @@ client CLI's output and exit codes against a stand-in client."""
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 import pytest
 
 import qil_client.__main__ as client_cli
-from qil_client import errors, pb
+from qil_client import Client, errors, pb
 from qil_client._channel import ROUND_ROBIN, channel_options, resolve_target
 from qil_client.errors import error_for
 from qil_client.results import ResultBuilder
@@ -250,3 +251,44 @@ def test_result_error_and_metrics():
     r = b.result()
     assert r.error is None
     assert r.metrics.mean_itl_s == pytest.approx(0.1) and r.metrics.max_itl_s == pytest.approx(0.9)
+
+
+def test_result_builder_starts_at_a_given_seq_and_still_detects_gaps():
+    b = ResultBuilder(start_seq=3)
+    with pytest.raises(RuntimeError, match="seq 0, expected 3"):
+        b.add(pb.Event(request_id="r", seq=0, token_ids=[1]))
+    b.add(pb.Event(request_id="r", seq=3, token_ids=[4, 5]))
+    with pytest.raises(RuntimeError, match="seq 6, expected 5"):
+        b.add(pb.Event(request_id="r", seq=6, token_ids=[7]))
+    b.add(pb.Event(request_id="r", seq=5, token_ids=[6], finished=True,
+                   finish_reason=pb.FINISH_REASON_LENGTH, num_output_tokens=6))
+    r = b.result()
+    assert r.token_ids == [4, 5, 6] and r.num_output_tokens == 6 and r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("entries, bad", [
+    ("127.0.0.1:1,127.0.0.1", "'127.0.0.1'"),
+    (["127.0.0.1:1", "127.0.0.1:http"], "'127.0.0.1:http'"),
+    (["[::1]:1", "[::1]"], "'[::1]'"),
+    (["127.0.0.1:1", ":2"], "':2'"),
+])
+def test_a_target_list_entry_that_is_not_host_port_is_a_clear_value_error(entries, bad):
+    with pytest.raises(ValueError, match=re.escape(bad) + ".*expected HOST:PORT"):
+        resolve_target(entries)
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        Client(entries)
+
+
+def test_an_unresolvable_name_in_a_target_list_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="'nonexistent.invalid:1'"):
+        resolve_target("nonexistent.invalid:1,other.invalid:2")
+
+
+def test_port_65535_is_a_valid_target_port():
+    from qil_client._channel import resolve_target
+    assert resolve_target(["127.0.0.1:65535", "127.0.0.1:1"]) == ("ipv4:127.0.0.1:65535,127.0.0.1:1", True)
+
+
+def test_an_error_without_a_field_has_field_none():
+    from qil_client.errors import error_for
+    assert error_for(14, "worker is restarting", "").field is None

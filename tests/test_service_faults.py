@@ -1,21 +1,28 @@
 """Worker death: in-flight calls end with UNAVAILABLE, health goes NOT_SERVING, a new worker takes
-over; and a worker whose front dies exits on its own."""
+over (within the restart bounds); a worker whose front dies exits on its own; faults in a step;
+shutdown and its grace period; and clients that read slowly or not at all (the stream backlog)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 
-from qil_client import Client, Unavailable
-from service_fixtures import start_server, wait_until
+from qil_client import Client, NotFound, QilError, Unavailable, pb
+from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
+from service_fixtures import ENGINE, reference_outputs, start_server, wait_until
 
 LONG = 6000
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _alive(pid: int) -> bool:
@@ -113,8 +120,6 @@ def test_a_process_that_exits_without_stopping_its_server_does_not_hang(model_di
 
 
 def test_restarts_are_bounded(model_dir):
-    from qil_client import pb
-
     with start_server(model_dir, max_restarts=0) as srv:
         with Client(srv.target, timeout=30) as c:
             pid = c.info().worker.pid
@@ -132,8 +137,6 @@ def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_di
     exit used to count as one more death and start the whole back-off again, forever.)"""
     import shutil
 
-    from qil_client import pb
-
     broken = tmp_path / "model"
     shutil.copytree(model_dir, broken)
     with start_server(broken, max_restarts=2, restart_backoff_s=0.05, stable_after_s=0.2) as srv:
@@ -149,21 +152,6 @@ def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_di
             assert c.health() == "NOT_SERVING"
             # the failed starts' pipes are closed (the pipe of the live server's worker too)
             assert len(os.listdir("/proc/self/fd")) <= fds
-
-
-# ---------------------------------------------------------------- more faults (issue #6)
-
-import socket  # noqa: E402
-import threading  # noqa: E402
-import urllib.request  # noqa: E402
-
-import grpc  # noqa: E402
-
-from qil_client import pb  # noqa: E402
-from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
-from service_fixtures import ENGINE, reference_outputs  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
@@ -461,3 +449,155 @@ def test_sigterm_while_the_model_loads_stops_front_and_worker(model_dir, tmp_pat
             proc.kill()
         if worker_pid is not None and _alive(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
+
+
+def _paused_then_killed(c, action):
+    """Run ``action`` in a thread while the worker is stopped, then SIGKILL the worker."""
+    pid = c.info().worker.pid
+    out = {}
+    def run():
+        try:
+            out["value"] = action()
+        except QilError as exc:
+            out["error"] = exc
+    os.kill(pid, signal.SIGSTOP)
+    t = threading.Thread(target=run); t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    t.join(30)
+    return out, time.monotonic() - t0
+
+
+def test_cancel_in_flight_when_the_worker_dies_reports_was_active(model_dir):
+    with start_server(model_dir, restart_backoff_s=0.2) as srv:
+        with Client(srv.target, timeout=30) as c:
+            rid = c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True, request_id="victim")
+            out, _ = _paused_then_killed(c, lambda: c.cancel(rid))
+            assert out.get("value") == {rid: True}, out
+
+
+def test_submit_in_flight_when_the_worker_dies_is_unavailable_at_once(model_dir):
+    with start_server(model_dir, restart_backoff_s=0.2) as srv:
+        with Client(srv.target, timeout=30) as c:
+            out, waited = _paused_then_killed(
+                c, lambda: c.submit([1, 2, 3], max_new_tokens=4, request_id="pending", timeout=20))
+            assert isinstance(out.get("error"), Unavailable) and waited < 5, (out, waited)
+            with pytest.raises(NotFound):  # a submit that failed leaves no request behind
+                c.result("pending")
+
+
+def test_shutdown_past_the_grace_period_ends_streams_with_a_cancelled_event(model_dir):
+    srv = start_server(model_dir, grace_seconds=0.5)
+    events, errors = [], []
+    with Client(srv.target, timeout=60) as c:
+        def run():
+            try:
+                for ev in c.stream([1, 2, 3], max_new_tokens=6000, ignore_eos=True):
+                    events.append(ev)
+            except QilError as exc:
+                errors.append(exc)
+        t = threading.Thread(target=run); t.start()
+        wait_until(lambda: events)
+        srv.stop()
+        t.join(30)
+    assert not errors, errors
+    assert events[-1].finished and events[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+
+
+def test_max_restarts_allows_exactly_that_many_quick_restarts(model_dir):
+    with start_server(model_dir, max_restarts=1, restart_backoff_s=0.1) as srv:
+        with Client(srv.target, timeout=30) as c:
+            pid = c.info().worker.pid
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: c.health() == "SERVING" and c.info().worker.pid != pid, timeout=60)
+            assert c.info().worker.restarts == 1
+            os.kill(c.info().worker.pid, signal.SIGKILL)  # dies again at once: a crash loop
+            wait_until(lambda: c.info().worker.state == pb.WORKER_STATE_FAILED, timeout=30)
+            assert c.info().worker.restarts == 1 and c.health() == "NOT_SERVING"
+
+
+def test_stats_reset_when_the_worker_is_gone(model_dir):
+    with start_server(model_dir, max_restarts=0) as srv:
+        with Client(srv.target, timeout=30) as c:
+            c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True)
+            wait_until(lambda: c.info().pages.used > 0 and c.info().num_running == 1)
+            os.kill(c.info().worker.pid, signal.SIGKILL)
+            wait_until(lambda: c.info().worker.state == pb.WORKER_STATE_FAILED, timeout=15)
+            info = c.info()
+            assert info.pages.used == 0 and info.num_running == 0 and info.pages.free == info.pages.total
+
+
+def test_the_worker_exits_on_stop_without_being_killed(model_dir):
+    srv = start_server(model_dir)
+    pid = srv.server.front.worker_pid
+    t0 = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - t0 < 8
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+SLOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 2048)]
+
+
+def test_a_reader_paused_briefly_is_not_cut_off(model_dir):
+    srv = start_server(model_dir, max_stream_backlog=16)
+    ch = grpc.insecure_channel(srv.target, options=SLOW)
+    try:
+        call = pb_grpc.InferenceStub(ch).Generate(
+            pb.SubmitRequest(token_ids=[1, 2, 3], max_new_tokens=1500, ignore_eos=True), timeout=60)
+        n = 0
+        for i, ev in enumerate(call):
+            n += len(ev.token_ids)
+            if i == 3:
+                time.sleep(0.3)  # a busy client, far under limits.STREAM_STALL_S (1 s)
+        assert n == 1500
+    finally:
+        ch.close()
+        srv.stop()
+
+
+def test_backlog_counts_from_what_was_written_not_from_zero(model_dir, monkeypatch):
+    from qil_worker.service import limits
+    monkeypatch.setattr(limits, "STREAM_STALL_S", 0.2)
+    srv = start_server(model_dir, max_stream_backlog=1500)
+    ch = grpc.insecure_channel(srv.target, options=SLOW)
+    try:
+        call = pb_grpc.InferenceStub(ch).Generate(
+            pb.SubmitRequest(token_ids=[1, 2, 3], max_new_tokens=4000, ignore_eos=True), timeout=60)
+        n, paused = 0, False
+        for ev in call:
+            n += len(ev.token_ids)
+            if n >= 2000 and not paused:
+                paused = True
+                time.sleep(0.4)  # stalls > STREAM_STALL_S, but falls far less than 1500 tokens behind
+        assert n == 4000
+    finally:
+        ch.close()
+        srv.stop()
+
+
+def test_a_session_that_falls_behind_does_not_cancel_requests_it_only_watches(model_dir):
+    srv = start_server(model_dir, max_stream_backlog=64)
+    ch = grpc.insecure_channel(srv.target, options=SLOW)
+    done = threading.Event()
+    try:
+        with Client(srv.target, timeout=60) as c:
+            rid = c.submit([1, 2, 3], max_new_tokens=4000, ignore_eos=True, request_id="watched")
+
+            def frames():
+                yield pb.StreamEventsRequest(subscribe=pb.Subscribe(request_id=rid))
+                done.wait(60)
+
+            sess = pb_grpc.InferenceStub(ch).StreamEvents(frames(), timeout=60)
+            time.sleep(3)  # the session never reads: it is cut off
+            with pytest.raises(grpc.RpcError) as exc:
+                for _ in sess:
+                    pass
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert c.result(rid).finish_reason == "length"  # the watched request ran on
+    finally:
+        done.set()
+        ch.close()
+        srv.stop()

@@ -176,3 +176,24 @@ def test_a_prompt_beyond_the_models_positions_is_refused_by_the_front(model_dir)
             assert info.value.field == "max_new_tokens"
             assert f"= {MAX_POSITIONS + 1} exceeds the model's {MAX_POSITIONS} positions" in str(info.value)
             assert c.info().num_unfinished == 0
+
+
+def test_subscribe_at_the_exact_end_of_a_finished_request_gets_its_final_event(server):
+    with Client(server.target, timeout=30) as c:
+        c.generate([1, 2, 3], max_new_tokens=5, request_id="at-end")
+        evs = list(c.events("at-end", from_seq=5))
+        assert len(evs) == 1 and evs[0].finished and not evs[0].token_ids and evs[0].seq == 5
+
+
+def test_a_submit_whose_caller_left_before_the_ack_does_not_run_on(model_dir):
+    with start_server(model_dir) as srv:
+        with Client(srv.target, timeout=30) as c:
+            pid = c.info().worker.pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DeadlineExceeded):
+                    c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True, request_id="gone", timeout=0.5)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            wait_until(lambda: c.info().num_unfinished == 0, timeout=5)
+            assert c.result("gone").finish_reason == "cancelled"
