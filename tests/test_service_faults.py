@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,7 +17,7 @@ import pytest
 
 from qil_client import Client, NotFound, QilError, Unavailable, pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
-from service_fixtures import ENGINE, reference_outputs, start_server, wait_until
+from service_fixtures import ENGINE, free_port, reference_outputs, scrape, start_server, wait_until
 
 LONG = 6000
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,25 +152,11 @@ def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_di
             assert len(os.listdir("/proc/self/fd")) <= fds
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return {
-        k: float(v) for k, _, v in (ln.rpartition(" ") for ln in lines if ln and not ln.startswith("#"))
-    }
-
-
 def test_sigkill_worker_during_prefill_and_decode(model_dir):
     """One request in prefill (a long prompt in small chunks) and several decoding when the worker
     is killed: every call ends UNAVAILABLE at once, the worker comes back, tokens are right."""
     engine = dict(ENGINE, token_budget=64, prefill_chunk=32)
-    port = _free_port()
+    port = free_port()
     with start_server(model_dir, engine=engine, restart_backoff_s=0.2, metrics_port=port) as srv:
         with Client(srv.target, timeout=60) as c:
             pid = c.info().worker.pid
@@ -210,7 +194,7 @@ def test_sigkill_worker_during_prefill_and_decode(model_dir):
             assert list(r.token_ids) == ref and ref[: len(first[0])] == first[0]
             r = c.generate(long_prompt, max_new_tokens=4, ignore_eos=True)
             assert r.finish_reason == "length" and r.num_prompt_tokens == 4000
-            m = _scrape(port)
+            m = scrape(port)
             assert m["qil_worker_restarts_total"] == 1
             assert m['qil_requests_finished_total{reason="error"}'] == 4  # the 4 lost requests
             assert m['qil_requests_finished_total{reason="length"}'] == 2
@@ -317,7 +301,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_streaming(model_
     """A Generate call and a StreamEvents call whose clients never read: once their backlog passes
     --max-stream-backlog (with a write stuck), they end RESOURCE_EXHAUSTED and their requests
     are cancelled (pages free), while a normal stream keeps its pace."""
-    port = _free_port()
+    port = free_port()
     srv = start_server(model_dir, max_stream_backlog=64, metrics_port=port)
     # a small HTTP/2 window, so the server's writes to the non-reading calls block early
     slow_channel = grpc.insecure_channel(
@@ -365,8 +349,8 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_streaming(model_
                 for _ in slow_sess:
                     pass
             assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert _scrape(port)["qil_streams_backlog_exceeded_total"] == 2
-            assert _scrape(port)['qil_requests_finished_total{reason="cancelled"}'] == 2
+            assert scrape(port)["qil_streams_backlog_exceeded_total"] == 2
+            assert scrape(port)['qil_requests_finished_total{reason="cancelled"}'] == 2
             # the server goes on serving
             assert c.generate([1, 2, 3], max_new_tokens=5).num_output_tokens == 5
     finally:

@@ -17,28 +17,9 @@ from pathlib import Path
 import pytest
 
 from qil_client import Client, NotFound
-from service_fixtures import serve_process, start_server, wait_until
+from service_fixtures import free_port, scrape, serve_process, start_server, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    """``/metrics`` as {'name{labels}': value} (labels exactly as exposed)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        out[key] = float(value)
-    return out
 
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
