@@ -130,15 +130,19 @@ def test_async_events_left_early_end_their_calls(server):
     async def run() -> None:
         async with AsyncClient(server.target, timeout=60) as ac:
             rid = await ac.submit([5, 5, 5], max_new_tokens=LONG, request_id="aio-events-early")
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one turn of the loop: the submit's own tasks are done
             before = len(asyncio.all_tasks())
             for _ in range(10):
                 events = ac.events(rid)
                 async for _ev in events:
                     break
                 await events.aclose()
-            await asyncio.sleep(0.5)
-            assert len(asyncio.all_tasks()) <= before  # no call left waiting for its status
+            deadline = time.monotonic() + 10
+            while len(asyncio.all_tasks()) > before:  # no call left waiting for its status
+                assert time.monotonic() < deadline, asyncio.all_tasks()
+                await asyncio.sleep(0.01)
+            # ... and they ended by themselves, not because the request did
+            assert (await ac.info()).num_unfinished >= 1
             await ac.cancel(rid)
 
     asyncio.run(run())

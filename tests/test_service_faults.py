@@ -17,7 +17,16 @@ import pytest
 
 from qil_client import Client, NotFound, QilError, Unavailable, pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
-from service_fixtures import ENGINE, free_port, reference_outputs, scrape, start_server, wait_until
+from service_fixtures import (
+    ENGINE,
+    free_port,
+    reference_outputs,
+    SMALL_WINDOW,
+    scrape,
+    spy_on,
+    start_server,
+    wait_until,
+)
 
 LONG = 6000
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +43,20 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def _children() -> set[int]:
+    """This process's child processes, exited ones not yet reaped included."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        found.add(int(entry))
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                pass
+    return found
 
 
 def test_sigkill_worker_mid_stream_then_recover(model_dir):
@@ -139,12 +162,19 @@ def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_di
     shutil.copytree(model_dir, broken)
     with start_server(broken, max_restarts=2, restart_backoff_s=0.05, stable_after_s=0.2) as srv:
         with Client(srv.target, timeout=30) as c:
-            time.sleep(0.5)  # longer than stable_after_s: this worker's death is not a crash loop
+            # Time itself is the condition here: a worker that ran longer than stable_after_s
+            # before it died is not part of a crash loop.
+            time.sleep(0.5)
             (broken / "model.safetensors").unlink()
             fds = len(os.listdir("/proc/self/fd"))
-            os.kill(c.info().worker.pid, signal.SIGKILL)
+            pid = c.info().worker.pid
+            others = _children() - {pid}  # e.g. multiprocessing's resource tracker
+            os.kill(pid, signal.SIGKILL)
             wait_until(lambda: c.info().worker.state == pb.WORKER_STATE_FAILED, timeout=60)
-            time.sleep(4)  # the failed starts' exits have all arrived
+            # the failed starts' exits have all arrived: their processes are reaped and the
+            # pipes closed (the pipe of the live server's worker too); then nothing may change
+            wait_until(lambda: _children() <= others and len(os.listdir("/proc/self/fd")) <= fds,
+                       timeout=30, interval=0.1)
             info = c.info()
             assert info.worker.state == pb.WORKER_STATE_FAILED and info.worker.restarts == 2
             assert c.health() == "NOT_SERVING"
@@ -304,9 +334,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_streaming(model_
     port = free_port()
     srv = start_server(model_dir, max_stream_backlog=64, metrics_port=port)
     # a small HTTP/2 window, so the server's writes to the non-reading calls block early
-    slow_channel = grpc.insecure_channel(
-        srv.target, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 2048)]
-    )
+    slow_channel = grpc.insecure_channel(srv.target, options=SMALL_WINDOW)
     try:
         stub = pb_grpc.InferenceStub(slow_channel)
         slow_gen = stub.Generate(
@@ -421,7 +449,8 @@ def test_sigterm_while_the_model_loads_stops_front_and_worker(model_dir, tmp_pat
                 break
         assert worker_pid is not None
         os.kill(worker_pid, signal.SIGSTOP)  # a load that takes as long as the test needs
-        time.sleep(0.5)  # the front waits for it to be ready
+        # the front logs the spawn just before it waits for the worker to be ready, and its
+        # SIGTERM handler is installed before it spawns: no wait needed here
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert not any("qil serving on" in line for line in out)
@@ -435,8 +464,10 @@ def test_sigterm_while_the_model_loads_stops_front_and_worker(model_dir, tmp_pat
             os.kill(worker_pid, signal.SIGKILL)
 
 
-def _paused_then_killed(c, action):
-    """Run ``action`` in a thread while the worker is stopped, then SIGKILL the worker."""
+def _paused_then_killed(srv, c, action, reaches: str):
+    """Run ``action`` in a thread while the worker is stopped; once its call has reached the
+    front (``front.<reaches>`` was called), SIGKILL the worker."""
+    reached = spy_on(srv.server.front, reaches)  # this server is the test's own
     pid = c.info().worker.pid
     out = {}
     def run():
@@ -446,7 +477,7 @@ def _paused_then_killed(c, action):
             out["error"] = exc
     os.kill(pid, signal.SIGSTOP)
     t = threading.Thread(target=run); t.start()
-    time.sleep(0.5)
+    wait_until(lambda: reached, timeout=20)
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     t.join(30)
@@ -457,7 +488,7 @@ def test_cancel_in_flight_when_the_worker_dies_reports_was_active(model_dir):
     with start_server(model_dir, restart_backoff_s=0.2) as srv:
         with Client(srv.target, timeout=30) as c:
             rid = c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True, request_id="victim")
-            out, _ = _paused_then_killed(c, lambda: c.cancel(rid))
+            out, _ = _paused_then_killed(srv, c, lambda: c.cancel(rid), "cancel")
             assert out.get("value") == {rid: True}, out
 
 
@@ -465,7 +496,8 @@ def test_submit_in_flight_when_the_worker_dies_is_unavailable_at_once(model_dir)
     with start_server(model_dir, restart_backoff_s=0.2) as srv:
         with Client(srv.target, timeout=30) as c:
             out, waited = _paused_then_killed(
-                c, lambda: c.submit([1, 2, 3], max_new_tokens=4, request_id="pending", timeout=20))
+                srv, c, lambda: c.submit([1, 2, 3], max_new_tokens=4, request_id="pending", timeout=20),
+                "submit")
             assert isinstance(out.get("error"), Unavailable) and waited < 5, (out, waited)
             with pytest.raises(NotFound):  # a submit that failed leaves no request behind
                 c.result("pending")
@@ -522,12 +554,9 @@ def test_the_worker_exits_on_stop_without_being_killed(model_dir):
         os.kill(pid, 0)
 
 
-SLOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 2048)]
-
-
 def test_a_reader_paused_briefly_is_not_cut_off(model_dir):
     srv = start_server(model_dir, max_stream_backlog=16)
-    ch = grpc.insecure_channel(srv.target, options=SLOW)
+    ch = grpc.insecure_channel(srv.target, options=SMALL_WINDOW)
     try:
         call = pb_grpc.InferenceStub(ch).Generate(
             pb.SubmitRequest(token_ids=[1, 2, 3], max_new_tokens=1500, ignore_eos=True), timeout=60)
@@ -535,7 +564,9 @@ def test_a_reader_paused_briefly_is_not_cut_off(model_dir):
         for i, ev in enumerate(call):
             n += len(ev.token_ids)
             if i == 3:
-                time.sleep(0.3)  # a busy client, far under limits.STREAM_STALL_S (1 s)
+                # the behaviour under test: a busy client that really pauses, far under
+                # limits.STREAM_STALL_S (1 s)
+                time.sleep(0.3)
         assert n == 1500
     finally:
         ch.close()
@@ -546,7 +577,7 @@ def test_backlog_counts_from_what_was_written_not_from_zero(model_dir, monkeypat
     from qil_worker.service import limits
     monkeypatch.setattr(limits, "STREAM_STALL_S", 0.2)
     srv = start_server(model_dir, max_stream_backlog=1500)
-    ch = grpc.insecure_channel(srv.target, options=SLOW)
+    ch = grpc.insecure_channel(srv.target, options=SMALL_WINDOW)
     try:
         call = pb_grpc.InferenceStub(ch).Generate(
             pb.SubmitRequest(token_ids=[1, 2, 3], max_new_tokens=4000, ignore_eos=True), timeout=60)
@@ -555,7 +586,9 @@ def test_backlog_counts_from_what_was_written_not_from_zero(model_dir, monkeypat
             n += len(ev.token_ids)
             if n >= 2000 and not paused:
                 paused = True
-                time.sleep(0.4)  # stalls > STREAM_STALL_S, but falls far less than 1500 tokens behind
+                # the behaviour under test: a reader that really stalls longer than
+                # STREAM_STALL_S, but falls far less than 1500 tokens behind
+                time.sleep(0.4)
         assert n == 4000
     finally:
         ch.close()
@@ -563,8 +596,9 @@ def test_backlog_counts_from_what_was_written_not_from_zero(model_dir, monkeypat
 
 
 def test_a_session_that_falls_behind_does_not_cancel_requests_it_only_watches(model_dir):
-    srv = start_server(model_dir, max_stream_backlog=64)
-    ch = grpc.insecure_channel(srv.target, options=SLOW)
+    port = free_port()
+    srv = start_server(model_dir, max_stream_backlog=64, metrics_port=port)
+    ch = grpc.insecure_channel(srv.target, options=SMALL_WINDOW)
     done = threading.Event()
     try:
         with Client(srv.target, timeout=60) as c:
@@ -575,7 +609,8 @@ def test_a_session_that_falls_behind_does_not_cancel_requests_it_only_watches(mo
                 done.wait(60)
 
             sess = pb_grpc.InferenceStub(ch).StreamEvents(frames(), timeout=60)
-            time.sleep(3)  # the session never reads: it is cut off
+            # the session never reads: it is cut off
+            wait_until(lambda: scrape(port).get("qil_streams_backlog_exceeded_total") == 1, timeout=30)
             with pytest.raises(grpc.RpcError) as exc:
                 for _ in sess:
                     pass

@@ -314,14 +314,15 @@ def test_a_worker_exits_without_waiting_for_a_prompt_still_being_encoded():
     """The worker closes its encoder on STOP; a 16 MiB prompt can take many seconds to encode,
     and the process must not wait for it to end (it did: the pool's thread was joined at exit)."""
     script = (
-        "import time\n"
+        "import threading, time\n"
         "from qil_worker.service.prompt_encoder import PromptEncoder\n"
+        "started = threading.Event()\n"
         "class Slow:\n"
         "    def encode(self, text, add_special_tokens=False):\n"
-        "        time.sleep(30); return [1]\n"
+        "        started.set(); time.sleep(30); return [1]\n"  # the slow encode under test
         "enc = PromptEncoder(Slow())\n"
         "enc.start(('s', 'r1', None, 4, [], {'text': 'x' * 20000}))\n"
-        "time.sleep(0.2)\n"
+        "assert started.wait(30)\n"
         "enc.close()\n"
     )
     t0 = time.monotonic()
