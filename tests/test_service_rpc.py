@@ -18,11 +18,13 @@ from qil_client import (
     NotFound,
     pb,
 )
+from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_client.results import ResultBuilder
 from service_fixtures import (
     ENGINE,
     MAX_POSITIONS,
     POOL_TOKENS,
+    SMALL_WINDOW,
     reference_outputs,
     start_server,
     wait_until,
@@ -295,18 +297,26 @@ def test_live_duplicate_is_already_exists(client):
 
 
 def test_slow_reader_gets_coalesced_events_and_does_not_stall_others(server, client, model_dir):
-    prompt = [11, 12, 13]
-    want = reference_outputs(model_dir, [prompt], 80)[0]
-    slow = client.stream(prompt, max_new_tokens=80)
-    first = next(slow)
-    # Another request completes while the slow reader sleeps.
-    t0 = time.monotonic()
-    other = client.generate([2, 2], max_new_tokens=5)
-    assert other.finish_reason == "length" and time.monotonic() - t0 < 10
-    time.sleep(1.0)
-    rest = list(slow)
+    prompt, n = [11, 12, 13], 2000
+    want = reference_outputs(model_dir, [prompt], n)[0]
+    # A reader slower than the worker, whatever the machine's speed: its window is small (the
+    # server's writes to it block early) and it reads nothing more until its request is over.
+    ch = grpc.insecure_channel(server.target, options=SMALL_WINDOW)
+    try:
+        slow = pb_grpc.InferenceStub(ch).Generate(
+            pb.SubmitRequest(token_ids=prompt, max_new_tokens=n, request_id="slow-reader"), timeout=60)
+        first = next(slow)
+        # Another request completes while the slow reader reads nothing.
+        t0 = time.monotonic()
+        other = client.generate([2, 2], max_new_tokens=5)
+        assert other.finish_reason == "length" and time.monotonic() - t0 < 10
+        assert client.result("slow-reader", timeout=60).num_output_tokens == n  # all made, unread
+        rest = list(slow)
+    finally:
+        ch.close()
     events = [first] + rest
     assert [t for e in events for t in e.token_ids] == want
+    assert max(len(e.token_ids) for e in events) > 1, "no event carried more than one token"
     b = ResultBuilder()
     for e in events:
         b.add(e)  # raises on a gap
