@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +19,9 @@ ENGINE = dict(num_pages=512, page_size=16, token_budget=256, prefill_chunk=64, m
 # The tiny test model with room for long requests (cancellation tests need them to run a while).
 MAX_POSITIONS = 16384
 POOL_TOKENS = ENGINE["num_pages"] * ENGINE["page_size"]  # 8192
+# Channel options for a reader slower than the worker: a small HTTP/2 window, so the server's
+# writes to a call whose client does not read block early.
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 2048)]
 
 
 def make_service_checkpoint(path: Path) -> Path:
@@ -46,6 +51,40 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """``/metrics`` as {'name{labels}': value} (labels exactly as exposed)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        out[key] = float(value)
+    return out
+
+
+def spy_on(obj: Any, name: str) -> list[tuple]:
+    """Record the positional arguments of every call of ``obj.<name>`` (this object only) in the
+    list returned; the calls go on as before. Tests wait on it to know that a call has reached,
+    say, the front of an in-thread server (``srv.server.front``)."""
+    calls: list[tuple] = []
+    method = getattr(obj, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return method(*args, **kwargs)
+
+    setattr(obj, name, spy)
+    return calls
 
 
 def reference_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
@@ -80,19 +119,31 @@ def serve_process(*args: str, env: dict | None = None) -> tuple[subprocess.Popen
     )
     out: list[str] = []
     err: list[str] = []
-    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
-    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+    proc.output_readers = [  # type: ignore[attr-defined]  # for join_output
+        threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True),
+        threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True),
+    ]
+    for reader in proc.output_readers:
+        reader.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for line in list(out):
             if line.startswith("qil serving on "):
                 return proc, line.split()[3], err
         if proc.poll() is not None:
-            time.sleep(0.2)  # let the reader threads take the last lines
+            join_output(proc)
             raise AssertionError(f"server exited ({proc.returncode}):\n" + "".join(err)[-3000:])
-        time.sleep(0.05)
+        time.sleep(0.05)  # poll interval
     proc.kill()
     raise AssertionError("server did not start:\n" + "".join(err)[-3000:])
+
+
+def join_output(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Wait until a ``serve_process`` that has exited has had both pipes read to their end, so
+    its lists hold every line it wrote."""
+    for reader in proc.output_readers:  # type: ignore[attr-defined]
+        reader.join(timeout)
+        assert not reader.is_alive(), "the process's output did not end"
 
 
 def stop_server_process(proc: subprocess.Popen) -> None:

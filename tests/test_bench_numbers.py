@@ -47,7 +47,7 @@ class FakeEngine:
         return not self.left
 
     def step(self, *args):
-        time.sleep(0.001)
+        time.sleep(0.001)  # a step that takes time: the timings under test are measured
         events = []
         for rid in list(self.left):
             self.left[rid] -= 1

@@ -1,4 +1,5 @@
-"""The ``python -m qil_worker generate`` command, run as a user would."""
+"""The ``python -m qil_worker generate`` command, run as a user would, and its flags against the
+in-process engine."""
 
 import asyncio
 import json
@@ -8,7 +9,11 @@ import sys
 
 import pytest
 
+from checkpoints import make_text_checkpoint
 from qil_worker import Engine, Qwen3
+from qil_worker.__main__ import main as worker_main
+from qil_worker.text import load_tokenizer
+from qil_worker.text.output import TextOutput
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -101,3 +106,96 @@ def test_serve_refuses_client_certificates_without_tls():
 
     with pytest.raises(ValueError, match="--tls-client-ca needs"):
         asyncio.run(Server(ServeConfig(port=0, tls_client_ca="ca.pem")).start())
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    return make_text_checkpoint(tmp_path_factory.mktemp("cli"))
+
+
+@pytest.fixture(scope="module")
+def text_engine(text_dir):
+    tok = load_tokenizer(text_dir)
+    return tok, Engine(Qwen3.from_directory(text_dir), num_pages=64, page_size=8, tokenizer=tok)
+
+
+def gen(capsys, *argv):
+    assert worker_main(["generate", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def run_ref(engine, **kw):
+    rid = engine.submit(**kw)
+    while not engine.idle:
+        engine.step()
+    r = engine.result(rid)
+    engine.release(rid)
+    return r
+
+
+def test_chat_flag_renders_the_template(capsys, text_dir, text_engine):
+    tok, engine = text_engine
+    out = json.loads(gen(capsys, "--model", str(text_dir), "--prompt", "hello", "--chat", "--json", "--max-new-tokens", "2"))
+    want = run_ref(engine, messages=[{"role": "user", "content": "hello"}], max_new_tokens=2)
+    assert out["prompt_tokens"] == len(want.prompt_token_ids)
+
+
+def test_json_text_and_streamed_text_and_default_length(capsys, text_dir, text_engine):
+    tok, engine = text_engine
+    want = run_ref(engine, text="hello world", max_new_tokens=16, ignore_eos=True, temperature=1.0, seed=4)
+    out = json.loads(gen(capsys, "--model", str(text_dir), "--prompt", "hello world", "--json",
+                         "--ignore-eos", "--temperature", "1", "--seed", "4"))
+    assert out["output_tokens"] == 16 and out["text"] == want.output_text
+    plain = gen(capsys, "--model", str(text_dir), "--prompt", "hello world", "--ignore-eos",
+                "--temperature", "1", "--seed", "4")
+    assert plain.startswith(want.output_text + "\n")
+
+
+def test_seed_zero_is_sent(capsys, text_dir, text_engine):
+    tok, engine = text_engine
+    want = run_ref(engine, text="hello", max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=0)
+    for _ in range(2):
+        out = json.loads(gen(capsys, "--model", str(text_dir), "--prompt", "hello", "--json", "--max-new-tokens", "12",
+                             "--ignore-eos", "--temperature", "1", "--seed", "0"))
+        assert out["output_token_ids"] == want.output_token_ids
+
+
+def test_stop_string_and_stop_ids(capsys, text_dir, text_engine):
+    tok, engine = text_engine
+    free = run_ref(engine, text="the quick", max_new_tokens=20, ignore_eos=True, temperature=1.0, seed=9)
+    stop = free.output_text[5]
+    stop_id = free.output_token_ids[6]
+    common = ["--model", str(text_dir), "--prompt", "the quick", "--json", "--max-new-tokens", "20",
+              "--ignore-eos", "--temperature", "1", "--seed", "9"]
+    out = json.loads(gen(capsys, *common, "--stop", stop))
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop
+    out = json.loads(gen(capsys, *common, "--stop-token-ids", json.dumps([stop_id])))
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop_id
+
+
+def test_tokenizer_flag_is_used(capsys, text_dir, tmp_path):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        if (text_dir / name).exists():
+            (weights / name).symlink_to(text_dir / name)
+    out = json.loads(gen(capsys, "--model", str(weights), "--tokenizer", str(text_dir), "--prompt", "hello",
+                         "--json", "--max-new-tokens", "2"))
+    assert out["output_tokens"] == 2
+
+
+def test_generate_exits_1_when_the_request_fails(capsys, text_dir, monkeypatch):
+    def broken_push(self, token_id):
+        raise RuntimeError("injected detokenizer fault")
+
+    monkeypatch.setattr(TextOutput, "push", broken_push)  # a fault of this request only
+    argv = ["generate", "--model", str(text_dir), "--prompt", "hello", "--max-new-tokens", "4"]
+    assert worker_main([*argv, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["finish_reason"] == "error"
+    assert worker_main(argv) == 1
+    assert "error: RuntimeError: injected detokenizer fault" in capsys.readouterr().out
+
+
+def test_generate_refuses_chat_without_a_text_prompt(capsys, text_dir):
+    assert worker_main(["generate", "--model", str(text_dir), "--token-ids", "[1, 2]", "--chat"]) == 2
+    assert "--chat goes with --prompt" in capsys.readouterr().err

@@ -1,14 +1,18 @@
-"""Client pieces that need no server: targets, status → exception mapping, result assembly."""
+"""Client pieces that need no server: targets, status → exception mapping, result assembly, and the
+client CLI's output and exit codes against a stand-in client."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 import pytest
 
-from qil_client import errors, pb
+import qil_client.__main__ as client_cli
+from qil_client import Client, errors, pb
 from qil_client._channel import ROUND_ROBIN, channel_options, resolve_target
+from qil_client.errors import error_for
 from qil_client.results import ResultBuilder
 
 
@@ -153,3 +157,138 @@ def test_client_cli_has_the_sampling_flags_of_the_in_process_cli():
     assert "top_k" not in kw and "text" not in kw and "token_ids" not in kw
     kw = request_kwargs(_parser().parse_args(["submit", "--token-ids", "[1,2]"]))
     assert kw["token_ids"] == [1, 2] and "temperature" not in kw and "skip_special_tokens" not in kw
+
+
+class FakeClient:
+    last = None
+
+    def __init__(self, target, token=None, tls=None):
+        self.target, self.token, self.tls = target, token, tls
+        self.calls = []
+        FakeClient.last = self
+
+    def wait_ready(self, t):
+        self.calls.append(("wait_ready", t))
+
+    def health(self):
+        self.calls.append(("health",))
+        return "SERVING"
+
+    def cancel(self, *rids, timeout=None):
+        return {rids[0]: True, rids[1]: False}
+
+    def stream(self, timeout=None, **kw):
+        self.calls.append(("stream", kw))
+        return iter(self.events)
+
+    def submit(self, timeout=None, **kw):
+        raise error_for(3, "temperature: bad", "temperature")
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(client_cli, "Client", FakeClient)
+    FakeClient.events = []
+    return FakeClient
+
+
+def final(seq, reason, **kw):
+    return pb.Event(request_id="r", seq=seq, finished=True, finish_reason=reason, **kw)
+
+
+@pytest.mark.parametrize("reason, rc", [(pb.FINISH_REASON_LENGTH, 0), (pb.FINISH_REASON_STOP, 0),
+                                        (pb.FINISH_REASON_CANCELLED, 1), (pb.FINISH_REASON_ERROR, 1)])
+def test_generate_exit_code_follows_the_finish_reason(fake, reason, rc):
+    fake.events = [pb.Event(request_id="r", seq=0, token_ids=[5]), final(1, reason)]
+    assert client_cli.main(["generate", "--token-ids", "[1]"]) == rc
+
+
+def test_text_mode_prints_only_text_even_for_empty_deltas(fake, capsys):
+    fake.events = [pb.Event(request_id="r", seq=0, token_ids=[5], text="a"),
+                   pb.Event(request_id="r", seq=1, token_ids=[6], text=""),
+                   final(2, pb.FINISH_REASON_LENGTH, text="b")]
+    assert client_cli.main(["generate", "--prompt", "x"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "ab"
+
+
+def test_server_error_exit_code_is_1(fake, capsys):
+    assert client_cli.main(["submit", "--token-ids", "[1]", "--temperature", "-1"]) == 1
+    assert "(field temperature)" in capsys.readouterr().err
+
+
+def test_cancel_output(fake, capsys):
+    assert client_cli.main(["cancel", "a", "b"]) == 0
+    assert capsys.readouterr().out == "a\tcancelled\nb\tnot active\n"
+
+
+def test_health_does_not_wait_for_serving(fake):
+    assert client_cli.main(["health"]) == 0
+    assert FakeClient.last.calls == [("health",)]
+
+
+def test_flags_reach_the_client(fake):
+    fake.events = [final(0, pb.FINISH_REASON_LENGTH)]
+    assert client_cli.main(["--tls", "--token", "tok", "generate", "--prompt", "hi", "--stop-token-ids", "[7, 8]"]) == 0
+    c = FakeClient.last
+    assert c.tls is True and c.token == "tok"
+    kw = c.calls[-1][1]
+    assert kw["stop_token_ids"] == [7, 8] and kw["text"] == "hi" and "messages" not in kw
+
+
+def test_result_text_is_empty_not_none_when_all_deltas_are_empty():
+    b = ResultBuilder()
+    b.add(pb.Event(request_id="r", seq=0, token_ids=[1], text=""))
+    b.add(final(1, pb.FINISH_REASON_LENGTH, text=""))
+    assert b.result().text == ""
+
+
+def test_result_error_and_metrics():
+    b = ResultBuilder()
+    b.add(final(0, pb.FINISH_REASON_LENGTH, metrics=pb.RequestMetrics(mean_itl_s=0.1, max_itl_s=0.9)))
+    r = b.result()
+    assert r.error is None
+    assert r.metrics.mean_itl_s == pytest.approx(0.1) and r.metrics.max_itl_s == pytest.approx(0.9)
+
+
+def test_result_builder_starts_at_a_given_seq_and_still_detects_gaps():
+    b = ResultBuilder(start_seq=3)
+    with pytest.raises(RuntimeError, match="seq 0, expected 3"):
+        b.add(pb.Event(request_id="r", seq=0, token_ids=[1]))
+    b.add(pb.Event(request_id="r", seq=3, token_ids=[4, 5]))
+    with pytest.raises(RuntimeError, match="seq 6, expected 5"):
+        b.add(pb.Event(request_id="r", seq=6, token_ids=[7]))
+    b.add(pb.Event(request_id="r", seq=5, token_ids=[6], finished=True,
+                   finish_reason=pb.FINISH_REASON_LENGTH, num_output_tokens=6))
+    r = b.result()
+    assert r.token_ids == [4, 5, 6] and r.num_output_tokens == 6 and r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("entries, bad", [
+    ("127.0.0.1:1,127.0.0.1", "'127.0.0.1'"),
+    (["127.0.0.1:1", "127.0.0.1:http"], "'127.0.0.1:http'"),
+    (["[::1]:1", "[::1]"], "'[::1]'"),
+    (["127.0.0.1:1", ":2"], "':2'"),
+])
+def test_a_target_list_entry_that_is_not_host_port_is_a_clear_value_error(entries, bad):
+    with pytest.raises(ValueError, match=re.escape(bad) + ".*expected HOST:PORT"):
+        resolve_target(entries)
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        Client(entries)
+
+
+def test_an_unresolvable_name_in_a_target_list_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="'nonexistent.invalid:1'"):
+        resolve_target("nonexistent.invalid:1,other.invalid:2")
+
+
+def test_port_65535_is_a_valid_target_port():
+    from qil_client._channel import resolve_target
+    assert resolve_target(["127.0.0.1:65535", "127.0.0.1:1"]) == ("ipv4:127.0.0.1:65535,127.0.0.1:1", True)
+
+
+def test_an_error_without_a_field_has_field_none():
+    from qil_client.errors import error_for
+    assert error_for(14, "worker is restarting", "").field is None

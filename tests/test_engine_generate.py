@@ -1,9 +1,13 @@
-"""Concurrent greedy generation must equal transformers' per-prompt greedy tokens."""
+"""Concurrent greedy generation must equal transformers' per-prompt greedy tokens; finish reasons
+and the timing fields of the results."""
 
+import itertools
 import random
+import types
 
 import pytest
 
+import qil_worker.engine.engine as engine_module
 from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
 from qil_worker import Engine, FinishReason, Qwen3
 
@@ -91,3 +95,30 @@ def test_metrics_are_measured(model):
     assert 0 <= res.queue_time <= res.ttft <= res.completion_time
     assert res.mean_inter_token_latency > 0 and res.max_inter_token_latency >= res.mean_inter_token_latency
     assert res.num_preemptions == 0
+
+
+def test_a_stop_id_as_the_last_allowed_token_is_reason_stop(model, ref):
+    prompt = [3, 1, 4, 1, 5]
+    full = reference_greedy(ref, prompt, 10)
+    k = 4
+    stop = full[k]
+    assert stop not in full[:k]
+    (res,) = Engine(model, num_pages=32, page_size=8).generate([prompt], max_new_tokens=k + 1, stop_token_ids=[stop])
+    assert res.output_token_ids == full[: k + 1]
+    assert res.finish_reason is FinishReason.STOP and res.stop_reason == stop
+
+
+def test_mean_inter_token_latency_over_gaps(model, monkeypatch):
+    clock = itertools.count()
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    engine = Engine(model, num_pages=32, page_size=4)
+    (res,) = engine.generate([[1, 2, 3]], max_new_tokens=5)  # one token per step, steps evenly spaced
+    assert res.mean_inter_token_latency == res.max_inter_token_latency == 2.0
+
+
+def test_queue_time_ends_when_first_scheduled_not_at_first_token(model, monkeypatch):
+    clock = itertools.count()
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    engine = Engine(model, num_pages=32, page_size=4)
+    (res,) = engine.generate([[1, 2, 3]], max_new_tokens=2)
+    assert res.queue_time < res.ttft

@@ -256,3 +256,59 @@ def test_generate_is_all_or_nothing(model, ref):
     assert_pool_free(engine)
     (result,) = engine.generate([[1, 2]], max_new_tokens=3)
     assert result.output_token_ids == reference_greedy(ref, [1, 2], 3)
+
+
+def test_generated_ids_never_take_a_live_client_id(model):
+    engine = Engine(model, num_pages=32, page_size=4)
+    mine = engine.submit([1, 2], max_new_tokens=2, request_id="req-0")
+    auto = engine.submit([3, 4, 5], max_new_tokens=2)
+    assert auto != mine
+    run_to_completion(engine)
+    assert engine.result(mine).prompt_token_ids == [1, 2]
+    assert engine.result(auto).prompt_token_ids == [3, 4, 5]
+
+
+def test_release_refuses_an_active_request(model):
+    engine = Engine(model, num_pages=32, page_size=4)
+    rid = engine.submit([1, 2], max_new_tokens=4)
+    with pytest.raises(ValueError, match="still active"):
+        engine.release(rid)
+    run_to_completion(engine)
+    engine.release(rid)
+
+
+def test_a_failed_request_is_finished(model, monkeypatch):
+    engine = Engine(model, num_pages=32, page_size=4)
+    rid = engine.submit([1, 2, 3], max_new_tokens=4)
+    monkeypatch.setattr(type(model), "forward", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+    engine.step()
+    res = engine.result(rid)
+    assert res.finish_reason is FinishReason.ERROR and res.finished
+
+
+def test_prompt_plus_new_tokens_may_fill_every_position(model):
+    engine = Engine(model, num_pages=256, page_size=4)
+    n = model.config.max_position_embeddings
+    rid = engine.submit([1] * (n - 12), max_new_tokens=12)  # exactly max_position_embeddings in all
+    assert engine.cancel(rid)
+
+
+def test_a_request_id_of_the_maximum_length_is_accepted(model):
+    engine = Engine(model, num_pages=32, page_size=4)
+    assert engine.submit([1], max_new_tokens=1, request_id="x" * 128) == "x" * 128
+
+
+def test_an_id_is_free_again_once_its_cancel_event_is_out(model):
+    """Reusing a cancelled id before its final event is handed out would interleave two requests'
+    events under one id (and ``release`` would then meet the new one still active)."""
+    engine = Engine(model, num_pages=32, page_size=4)
+    engine.submit([1, 2, 3], max_new_tokens=4, request_id="a")
+    engine.step()
+    assert engine.cancel("a")
+    with pytest.raises(DuplicateRequestError):
+        engine.submit([4, 5], max_new_tokens=2, request_id="a")
+    (final,) = engine.step()
+    assert final.request_id == "a" and final.finish_reason is FinishReason.CANCELLED
+    engine.submit([4, 5], max_new_tokens=2, request_id="a")
+    run_to_completion(engine)
+    assert engine.result("a").prompt_token_ids == [4, 5]

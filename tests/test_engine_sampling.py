@@ -153,3 +153,15 @@ def test_eos_ids_of_generation_config_stop_as_in_transformers(tiny_dir, tmp_path
     engine = Engine(Qwen3.from_directory(model_dir, device=device, dtype="float32"), num_pages=32, page_size=8)
     (ours,) = engine.generate([prompt], max_new_tokens=10)
     assert ours.output_token_ids == hf == full[: j + 1] and ours.finish_reason is FinishReason.STOP
+
+
+def test_seed_zero_is_a_seed(model):
+    a, b = (Engine(model, num_pages=32, page_size=4).generate([[3, 4, 5]], 16, temperature=1.5, seed=0)[0]
+            for _ in range(2))
+    assert a.output_token_ids == b.output_token_ids
+
+
+def test_unseeded_requests_draw_different_tokens(model):
+    engine = Engine(model, num_pages=64, page_size=4)
+    results = engine.generate([[3, 4, 5]] * 3, 16, temperature=1.5)
+    assert len({tuple(r.output_token_ids) for r in results}) > 1

@@ -1,4 +1,6 @@
-"""Text in and out: prompts and chat templates, incremental detokenization, stop strings."""
+"""Text in and out: prompts and chat templates (the thinking switch, roles, long chat prompts),
+incremental detokenization, special tokens, stop strings (hold-back, precedence, text released
+at the end)."""
 
 import pytest
 
@@ -6,7 +8,8 @@ from checkpoints import make_text_checkpoint
 from engine_helpers import run_to_completion
 from qil_worker import Engine, FinishReason, InvalidRequestError, Qwen3
 from qil_worker.errors import TokenizerUnavailableError
-from qil_worker.text import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from qil_worker.service.prompt_encoder import INLINE_CHARS, PromptEncoder
+from qil_worker.text import IncrementalDetokenizer, StopStringMatcher, encode_prompt, load_tokenizer
 from qil_worker.text.output import TextOutput
 
 SAMPLE = "héllo wörld 中文字符 🙂🚀 — fin"
@@ -190,3 +193,88 @@ def test_a_chat_template_that_refuses_the_messages_is_an_invalid_request(text_di
         tokenizer.chat_template = original
     assert info.value.field == "messages" and "No user query found" in str(info.value)
     assert engine.idle
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer):
+    """The module's tokenizer under the short name the tests below use."""
+    return tokenizer
+
+
+def test_stop_completed_by_its_last_char_only():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("go STO") == "go "
+    assert m.feed("P!") == "" and m.matched == "STOP"
+
+
+def test_text_output_finish_releases_held_back_text(tok):
+    out = TextOutput(tok, ["xyzzy"])
+    ids = tok.encode("hello x", add_special_tokens=False)
+    streamed = "".join(out.push(t) for t in ids) + out.finish()
+    assert out.matched_stop is None
+    assert streamed == "hello x" == out.text
+
+
+def test_explicit_enable_thinking_true(tok):
+    msgs = [{"role": "user", "content": "hi"}]
+    want = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert encode_prompt(tok, messages=msgs, enable_thinking=True) == tok.encode(want, add_special_tokens=False)
+    assert "<think>" not in want
+
+
+def test_tool_role_accepted(tok):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+            {"role": "tool", "content": "42"}]
+    assert encode_prompt(tok, messages=msgs)
+
+
+def test_skip_special_tokens_false_keeps_specials(tok):  # D9 / T4
+    ids = tok.encode("hello<|im_end|> world", add_special_tokens=False)
+    for cls in (IncrementalDetokenizer, TextOutput):
+        d = cls(tok, skip_special_tokens=False)
+        s = "".join(d.push(t) for t in ids) + d.finish()
+        assert s == "hello<|im_end|> world", cls
+
+
+def test_detokenizer_does_not_clean_up_spaces(tok):
+    ids = tok.encode("hello , world .", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok)
+    assert "".join(d.push(t) for t in ids) + d.finish() == "hello , world ."
+
+
+def test_long_chat_prompt_keeps_enable_thinking(tok):
+    msgs = [{"role": "user", "content": "hello " * (INLINE_CHARS // 5)}]
+    enc = PromptEncoder(tok)
+    options = {"messages": msgs, "enable_thinking": False}
+    assert enc.takes(options)
+    enc.start(("SUBMIT", "r1", None, 4, [], options))
+    while not enc.wait(5):
+        pass
+    ((submit, error, cancelled),) = enc.finished()
+    enc.close()
+    assert error is None and not cancelled
+    assert submit[2] == encode_prompt(tok, messages=msgs, enable_thinking=False)
+    assert "enable_thinking" not in submit[5] and "messages" not in submit[5]
+
+
+def test_earliest_stop_wins_whatever_the_list_order():
+    m = StopStringMatcher(["b", "ab"])
+    assert m.feed("xa") == "x"
+    assert m.feed("b") == "" and m.matched == "ab"
+
+
+def test_longest_possible_stop_prefix_is_held():
+    m = StopStringMatcher(["..."])
+    assert m.feed("wait..") == "wait"
+    assert m.feed(".") == "" and m.matched == "..."
+
+
+def test_nothing_after_a_match_even_at_finish():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("aSTOP") == "a" and m.feed("more") == "" and m.flush() == ""
+
+
+def test_empty_text_is_refused_naming_text(tok):
+    with pytest.raises(InvalidRequestError) as info:
+        encode_prompt(tok, text="")
+    assert info.value.field == "text"

@@ -174,7 +174,7 @@ class FakeAsyncClient:
         FakeAsyncClient.rids.append(request_id)
         FakeAsyncClient.n[request_id] = max_new_tokens
         for e in self._events(request_id, max_new_tokens):
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.002)  # a stream that takes time, as a server's does: the run's timings
             yield e
 
     async def events(self, rid, timeout=None):

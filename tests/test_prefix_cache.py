@@ -132,12 +132,30 @@ def _check_pool(engine):
     assert all(not r.page_table.pages for r in engine.scheduler.waiting)
 
 
-@pytest.mark.parametrize(
+CHURN_CASES = pytest.mark.parametrize(
     "policy, attention", [("fcfs", "auto"), ("shortest-first", "auto"), ("fcfs", "varlen-packed")]
 )
+
+
+@CHURN_CASES
 def test_random_sharing_preemption_cancel_and_eviction(model, policy, attention, monkeypatch):
     """``varlen-packed``: keys gathered back to back through shared and cached pages (with the
     reference kernel of ``varlen_helpers``: this model is float32, which flash does not take)."""
+    _random_churn(model, policy, attention, monkeypatch, steps=250, submit_steps=180)
+
+
+@pytest.mark.slow
+@CHURN_CASES
+def test_random_sharing_preemption_cancel_and_eviction_long(model, policy, attention, monkeypatch):
+    """The same churn twice as long: more requests through the same small pool (opt-in, see the
+    ``slow`` marker in pyproject.toml)."""
+    _random_churn(model, policy, attention, monkeypatch, steps=500, submit_steps=350)
+
+
+def _random_churn(model, policy, attention, monkeypatch, steps: int, submit_steps: int) -> None:
+    """Random submits sharing four prefixes, and cancels, on a pool small enough to preempt and
+    evict; every invariant of the pool after every step; outputs equal to an engine without a
+    prefix cache."""
     if attention == "varlen-packed":
         use_reference_packed_kernel(monkeypatch)
     rng = random.Random(99)
@@ -147,8 +165,8 @@ def test_random_sharing_preemption_cancel_and_eviction(model, policy, attention,
     assert attention == "auto" or engine.attention_backend == attention
     reference = Engine(model, num_pages=64, page_size=4, prefix_cache=False)
     expected, submitted, live = {}, {}, set()
-    for step in range(500):
-        if step < 350 and rng.random() < 0.35:
+    for step in range(steps):
+        if step < submit_steps and rng.random() < 0.35:
             prompt = rng.choice(prefixes) + [rng.randrange(97) for _ in range(rng.randint(0, 6))]
             n = rng.randint(1, 12)
             rid = engine.submit(prompt, max_new_tokens=n)
@@ -212,3 +230,24 @@ def test_an_in_flight_hit_compares_tokens_too():
     cache.announce(111, [1, 2], p)
     assert cache.match([5, 6], [111], 1) == []
     assert cache.match([1, 2], [111], 1) == [p] and pool.refs(p) == 2
+
+
+def test_cached_page_count_is_idle_pages_only(model):
+    engine = Engine(model, num_pages=64, page_size=4)
+    prompt = list(range(1, 38))
+    engine.generate([prompt], 2)
+    assert engine.stats().num_pages_cached == 9
+    engine.submit(prompt[:36] + [90], max_new_tokens=4)
+    engine.step()  # the new request holds the 9 cached pages: no longer idle
+    stats = engine.stats()
+    assert stats.num_pages_cached == 0 and stats.num_pages_used == 10
+
+
+def test_prefix_hit_rate_is_cached_over_prompt_tokens(model):
+    engine = Engine(model, num_pages=64, page_size=4)
+    a = list(range(1, 38))           # 37 tokens
+    b = a[:16] + [90, 91, 92, 93, 94]  # 21 tokens: 4 full pages shared
+    engine.generate([a], 2)
+    (r,) = engine.generate([b], 2)
+    assert r.num_cached_tokens == 16
+    assert engine.stats().prefix_cache_hit_rate == pytest.approx(16 / (37 + 21))

@@ -151,3 +151,13 @@ def test_tls(model_dir, tmp_path):
         with Client(srv.target, timeout=5) as plain:  # plaintext to a TLS port fails
             with pytest.raises(Unavailable):
                 plain.info()
+
+
+def test_a_token_that_only_starts_with_the_right_one_is_refused(model_dir):
+    with start_server(model_dir, auth_token="s3cret") as srv:
+        for bad in ("s3cret-and-more", "s3cre"):
+            with Client(srv.target, token=bad, timeout=10) as c:
+                with pytest.raises(Unauthenticated):
+                    c.info()
+        with Client(srv.target, token="s3cret", timeout=10) as c:
+            c.info()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import pytest
 
-from qil_worker.service.cli import add_serve_parser, config_from_args
+from qil_worker.service.cli import add_serve_parser, config_from_args, run_serve
+from service_fixtures import wait_until
 
 
 def _parse(argv):
@@ -155,8 +155,7 @@ def test_finished_requests_expire_by_age_and_a_forgotten_id_frees_its_size():
     kept.keep(_finished_req("gone", num_tokens=20))
     kept.forget("gone")  # its id was submitted again
     assert kept.size == 10 and kept.expired() == []
-    time.sleep(0.1)
-    assert kept.expired() == ["old"]
+    assert wait_until(kept.expired, timeout=5) == ["old"]  # once 0.05 s have passed
     assert len(kept) == 0 and kept.size == 0
 
 
@@ -167,3 +166,28 @@ def test_retention_bounds_are_inclusive():
     assert kept.keep(_finished_req("a", num_tokens=100)) == []
     assert kept.keep(_finished_req("b", num_tokens=100)) == []  # 200 tokens fit a 200 budget
     assert len(kept) == 2 and kept.size == 200
+
+
+def test_serve_flag_bounds():
+    assert _parse(["--port", "65535"]).port == 65535
+    assert _parse(["--metrics-port", "65535"]).metrics_port == 65535
+    assert _parse(["--max-queued", "0"]).max_queued == 0
+    assert _parse(["--max-stream-backlog", "0"]).max_stream_backlog == 0
+    with pytest.raises(SystemExit):
+        _parse(["--kv-memory-fraction", "1.0"])
+    assert _parse(["--kv-memory-bytes", "3MB"]).kv_memory_bytes == 3 * 10**6
+    assert _parse(["--kv-memory-bytes", "3m"]).kv_memory_bytes == 3 * 10**6
+
+
+def test_serve_flags_reach_the_config(monkeypatch):
+    cfg = config_from_args(_parse(["--metrics-host", "0.0.0.0", "--threads", "3", "--max-stream-backlog", "7",
+                                   "--retain-seconds", "1.5", "--max-restarts", "9"]))
+    assert cfg.metrics_host == "0.0.0.0" and cfg.front.threads == 3
+    assert cfg.front.max_stream_backlog == 7 and cfg.front.retain_seconds == 1.5 and cfg.front.max_restarts == 9
+    monkeypatch.setenv("QIL_AUTH_TOKEN", "")
+    assert config_from_args(_parse([])).auth_token is None
+
+
+def test_tls_cert_without_key_is_refused(capsys):
+    assert run_serve(_parse(["--tls-cert", "cert.pem", "--port", "0"])) == 2
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err

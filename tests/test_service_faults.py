@@ -1,5 +1,6 @@
 """Worker death: in-flight calls end with UNAVAILABLE, health goes NOT_SERVING, a new worker takes
-over; and a worker whose front dies exits on its own."""
+over (within the restart bounds); a worker whose front dies exits on its own; faults in a step;
+shutdown and its grace period; and clients that read slowly or not at all (the stream backlog)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,28 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
-from qil_client import Client, Unavailable
-from service_fixtures import start_server, wait_until
+from qil_client import Client, NotFound, QilError, Unavailable, pb
+from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
+from service_fixtures import (
+    ENGINE,
+    free_port,
+    reference_outputs,
+    SMALL_WINDOW,
+    scrape,
+    spy_on,
+    start_server,
+    wait_until,
+)
 
 LONG = 6000
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _alive(pid: int) -> bool:
@@ -29,6 +43,20 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def _children() -> set[int]:
+    """This process's child processes, exited ones not yet reaped included."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        found.add(int(entry))
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                pass
+    return found
 
 
 def test_sigkill_worker_mid_stream_then_recover(model_dir):
@@ -113,8 +141,6 @@ def test_a_process_that_exits_without_stopping_its_server_does_not_hang(model_di
 
 
 def test_restarts_are_bounded(model_dir):
-    from qil_client import pb
-
     with start_server(model_dir, max_restarts=0) as srv:
         with Client(srv.target, timeout=30) as c:
             pid = c.info().worker.pid
@@ -132,18 +158,23 @@ def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_di
     exit used to count as one more death and start the whole back-off again, forever.)"""
     import shutil
 
-    from qil_client import pb
-
     broken = tmp_path / "model"
     shutil.copytree(model_dir, broken)
     with start_server(broken, max_restarts=2, restart_backoff_s=0.05, stable_after_s=0.2) as srv:
         with Client(srv.target, timeout=30) as c:
-            time.sleep(0.5)  # longer than stable_after_s: this worker's death is not a crash loop
+            # Time itself is the condition here: a worker that ran longer than stable_after_s
+            # before it died is not part of a crash loop.
+            time.sleep(0.5)
             (broken / "model.safetensors").unlink()
             fds = len(os.listdir("/proc/self/fd"))
-            os.kill(c.info().worker.pid, signal.SIGKILL)
+            pid = c.info().worker.pid
+            others = _children() - {pid}  # e.g. multiprocessing's resource tracker
+            os.kill(pid, signal.SIGKILL)
             wait_until(lambda: c.info().worker.state == pb.WORKER_STATE_FAILED, timeout=60)
-            time.sleep(4)  # the failed starts' exits have all arrived
+            # the failed starts' exits have all arrived: their processes are reaped and the
+            # pipes closed (the pipe of the live server's worker too); then nothing may change
+            wait_until(lambda: _children() <= others and len(os.listdir("/proc/self/fd")) <= fds,
+                       timeout=30, interval=0.1)
             info = c.info()
             assert info.worker.state == pb.WORKER_STATE_FAILED and info.worker.restarts == 2
             assert c.health() == "NOT_SERVING"
@@ -151,40 +182,11 @@ def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_di
             assert len(os.listdir("/proc/self/fd")) <= fds
 
 
-# ---------------------------------------------------------------- more faults (issue #6)
-
-import socket  # noqa: E402
-import threading  # noqa: E402
-import urllib.request  # noqa: E402
-
-import grpc  # noqa: E402
-
-from qil_client import pb  # noqa: E402
-from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
-from service_fixtures import ENGINE, reference_outputs  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return {
-        k: float(v) for k, _, v in (ln.rpartition(" ") for ln in lines if ln and not ln.startswith("#"))
-    }
-
-
 def test_sigkill_worker_during_prefill_and_decode(model_dir):
     """One request in prefill (a long prompt in small chunks) and several decoding when the worker
     is killed: every call ends UNAVAILABLE at once, the worker comes back, tokens are right."""
     engine = dict(ENGINE, token_budget=64, prefill_chunk=32)
-    port = _free_port()
+    port = free_port()
     with start_server(model_dir, engine=engine, restart_backoff_s=0.2, metrics_port=port) as srv:
         with Client(srv.target, timeout=60) as c:
             pid = c.info().worker.pid
@@ -222,7 +224,7 @@ def test_sigkill_worker_during_prefill_and_decode(model_dir):
             assert list(r.token_ids) == ref and ref[: len(first[0])] == first[0]
             r = c.generate(long_prompt, max_new_tokens=4, ignore_eos=True)
             assert r.finish_reason == "length" and r.num_prompt_tokens == 4000
-            m = _scrape(port)
+            m = scrape(port)
             assert m["qil_worker_restarts_total"] == 1
             assert m['qil_requests_finished_total{reason="error"}'] == 4  # the 4 lost requests
             assert m['qil_requests_finished_total{reason="length"}'] == 2
@@ -329,12 +331,10 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_streaming(model_
     """A Generate call and a StreamEvents call whose clients never read: once their backlog passes
     --max-stream-backlog (with a write stuck), they end RESOURCE_EXHAUSTED and their requests
     are cancelled (pages free), while a normal stream keeps its pace."""
-    port = _free_port()
+    port = free_port()
     srv = start_server(model_dir, max_stream_backlog=64, metrics_port=port)
     # a small HTTP/2 window, so the server's writes to the non-reading calls block early
-    slow_channel = grpc.insecure_channel(
-        srv.target, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 2048)]
-    )
+    slow_channel = grpc.insecure_channel(srv.target, options=SMALL_WINDOW)
     try:
         stub = pb_grpc.InferenceStub(slow_channel)
         slow_gen = stub.Generate(
@@ -377,8 +377,8 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_streaming(model_
                 for _ in slow_sess:
                     pass
             assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert _scrape(port)["qil_streams_backlog_exceeded_total"] == 2
-            assert _scrape(port)['qil_requests_finished_total{reason="cancelled"}'] == 2
+            assert scrape(port)["qil_streams_backlog_exceeded_total"] == 2
+            assert scrape(port)['qil_requests_finished_total{reason="cancelled"}'] == 2
             # the server goes on serving
             assert c.generate([1, 2, 3], max_new_tokens=5).num_output_tokens == 5
     finally:
@@ -449,7 +449,8 @@ def test_sigterm_while_the_model_loads_stops_front_and_worker(model_dir, tmp_pat
                 break
         assert worker_pid is not None
         os.kill(worker_pid, signal.SIGSTOP)  # a load that takes as long as the test needs
-        time.sleep(0.5)  # the front waits for it to be ready
+        # the front logs the spawn just before it waits for the worker to be ready, and its
+        # SIGTERM handler is installed before it spawns: no wait needed here
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert not any("qil serving on" in line for line in out)
@@ -461,3 +462,161 @@ def test_sigterm_while_the_model_loads_stops_front_and_worker(model_dir, tmp_pat
             proc.kill()
         if worker_pid is not None and _alive(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
+
+
+def _paused_then_killed(srv, c, action, reaches: str):
+    """Run ``action`` in a thread while the worker is stopped; once its call has reached the
+    front (``front.<reaches>`` was called), SIGKILL the worker."""
+    reached = spy_on(srv.server.front, reaches)  # this server is the test's own
+    pid = c.info().worker.pid
+    out = {}
+    def run():
+        try:
+            out["value"] = action()
+        except QilError as exc:
+            out["error"] = exc
+    os.kill(pid, signal.SIGSTOP)
+    t = threading.Thread(target=run); t.start()
+    wait_until(lambda: reached, timeout=20)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    t.join(30)
+    return out, time.monotonic() - t0
+
+
+def test_cancel_in_flight_when_the_worker_dies_reports_was_active(model_dir):
+    with start_server(model_dir, restart_backoff_s=0.2) as srv:
+        with Client(srv.target, timeout=30) as c:
+            rid = c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True, request_id="victim")
+            out, _ = _paused_then_killed(srv, c, lambda: c.cancel(rid), "cancel")
+            assert out.get("value") == {rid: True}, out
+
+
+def test_submit_in_flight_when_the_worker_dies_is_unavailable_at_once(model_dir):
+    with start_server(model_dir, restart_backoff_s=0.2) as srv:
+        with Client(srv.target, timeout=30) as c:
+            out, waited = _paused_then_killed(
+                srv, c, lambda: c.submit([1, 2, 3], max_new_tokens=4, request_id="pending", timeout=20),
+                "submit")
+            assert isinstance(out.get("error"), Unavailable) and waited < 5, (out, waited)
+            with pytest.raises(NotFound):  # a submit that failed leaves no request behind
+                c.result("pending")
+
+
+def test_shutdown_past_the_grace_period_ends_streams_with_a_cancelled_event(model_dir):
+    srv = start_server(model_dir, grace_seconds=0.5)
+    events, errors = [], []
+    with Client(srv.target, timeout=60) as c:
+        def run():
+            try:
+                for ev in c.stream([1, 2, 3], max_new_tokens=6000, ignore_eos=True):
+                    events.append(ev)
+            except QilError as exc:
+                errors.append(exc)
+        t = threading.Thread(target=run); t.start()
+        wait_until(lambda: events)
+        srv.stop()
+        t.join(30)
+    assert not errors, errors
+    assert events[-1].finished and events[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+
+
+def test_max_restarts_allows_exactly_that_many_quick_restarts(model_dir):
+    with start_server(model_dir, max_restarts=1, restart_backoff_s=0.1) as srv:
+        with Client(srv.target, timeout=30) as c:
+            pid = c.info().worker.pid
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: c.health() == "SERVING" and c.info().worker.pid != pid, timeout=60)
+            assert c.info().worker.restarts == 1
+            os.kill(c.info().worker.pid, signal.SIGKILL)  # dies again at once: a crash loop
+            wait_until(lambda: c.info().worker.state == pb.WORKER_STATE_FAILED, timeout=30)
+            assert c.info().worker.restarts == 1 and c.health() == "NOT_SERVING"
+
+
+def test_stats_reset_when_the_worker_is_gone(model_dir):
+    with start_server(model_dir, max_restarts=0) as srv:
+        with Client(srv.target, timeout=30) as c:
+            c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True)
+            wait_until(lambda: c.info().pages.used > 0 and c.info().num_running == 1)
+            os.kill(c.info().worker.pid, signal.SIGKILL)
+            wait_until(lambda: c.info().worker.state == pb.WORKER_STATE_FAILED, timeout=15)
+            info = c.info()
+            assert info.pages.used == 0 and info.num_running == 0 and info.pages.free == info.pages.total
+
+
+def test_the_worker_exits_on_stop_without_being_killed(model_dir):
+    srv = start_server(model_dir)
+    pid = srv.server.front.worker_pid
+    t0 = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - t0 < 8
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_reader_paused_briefly_is_not_cut_off(model_dir):
+    srv = start_server(model_dir, max_stream_backlog=16)
+    ch = grpc.insecure_channel(srv.target, options=SMALL_WINDOW)
+    try:
+        call = pb_grpc.InferenceStub(ch).Generate(
+            pb.SubmitRequest(token_ids=[1, 2, 3], max_new_tokens=1500, ignore_eos=True), timeout=60)
+        n = 0
+        for i, ev in enumerate(call):
+            n += len(ev.token_ids)
+            if i == 3:
+                # the behaviour under test: a busy client that really pauses, far under
+                # limits.STREAM_STALL_S (1 s)
+                time.sleep(0.3)
+        assert n == 1500
+    finally:
+        ch.close()
+        srv.stop()
+
+
+def test_backlog_counts_from_what_was_written_not_from_zero(model_dir, monkeypatch):
+    from qil_worker.service import limits
+    monkeypatch.setattr(limits, "STREAM_STALL_S", 0.2)
+    srv = start_server(model_dir, max_stream_backlog=1500)
+    ch = grpc.insecure_channel(srv.target, options=SMALL_WINDOW)
+    try:
+        call = pb_grpc.InferenceStub(ch).Generate(
+            pb.SubmitRequest(token_ids=[1, 2, 3], max_new_tokens=4000, ignore_eos=True), timeout=60)
+        n, paused = 0, False
+        for ev in call:
+            n += len(ev.token_ids)
+            if n >= 2000 and not paused:
+                paused = True
+                # the behaviour under test: a reader that really stalls longer than
+                # STREAM_STALL_S, but falls far less than 1500 tokens behind
+                time.sleep(0.4)
+        assert n == 4000
+    finally:
+        ch.close()
+        srv.stop()
+
+
+def test_a_session_that_falls_behind_does_not_cancel_requests_it_only_watches(model_dir):
+    port = free_port()
+    srv = start_server(model_dir, max_stream_backlog=64, metrics_port=port)
+    ch = grpc.insecure_channel(srv.target, options=SMALL_WINDOW)
+    done = threading.Event()
+    try:
+        with Client(srv.target, timeout=60) as c:
+            rid = c.submit([1, 2, 3], max_new_tokens=4000, ignore_eos=True, request_id="watched")
+
+            def frames():
+                yield pb.StreamEventsRequest(subscribe=pb.Subscribe(request_id=rid))
+                done.wait(60)
+
+            sess = pb_grpc.InferenceStub(ch).StreamEvents(frames(), timeout=60)
+            # the session never reads: it is cut off
+            wait_until(lambda: scrape(port).get("qil_streams_backlog_exceeded_total") == 1, timeout=30)
+            with pytest.raises(grpc.RpcError) as exc:
+                for _ in sess:
+                    pass
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert c.result(rid).finish_reason == "length"  # the watched request ran on
+    finally:
+        done.set()
+        ch.close()
+        srv.stop()

@@ -10,35 +10,15 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from qil_client import Client, NotFound
-from service_fixtures import serve_process, start_server, wait_until
+from service_fixtures import free_port, join_output, scrape, serve_process, start_server, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    """``/metrics`` as {'name{labels}': value} (labels exactly as exposed)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        out[key] = float(value)
-    return out
 
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
@@ -142,7 +122,7 @@ def test_json_logs_request_lines_startup_summary_and_metrics_flag(model_dir, tmp
     finally:
         if proc.poll() is None:
             proc.kill()
-    time.sleep(0.2)  # the stderr reader thread drains the pipe
+    join_output(proc)  # every line of stderr is in ``err``
     lines = [line for line in err if line.strip()]
     records = []
     for line in lines:
@@ -316,6 +296,12 @@ def test_finished_requests_expire_while_the_server_is_idle(model_dir):
         with Client(srv.target, timeout=30) as c:
             c.generate([1, 2, 3], max_new_tokens=2, request_id="old")
             assert c.result("old").finish_reason == "length"  # kept at first
-            time.sleep(1.0)
-            with pytest.raises(NotFound):
-                c.result("old")
+
+            def forgotten() -> bool:
+                try:
+                    c.result("old")
+                except NotFound:
+                    return True
+                return False
+
+            wait_until(forgotten, timeout=10)  # far past its 0.5 s, with nothing else finishing

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 
 from qil_client import Client, DeadlineExceeded, InvalidArgument, QilError, pb
-from service_fixtures import MAX_POSITIONS, start_server, wait_until
+from service_fixtures import MAX_POSITIONS, spy_on, start_server, wait_until
 
 INVALID_ARGUMENT, UNAVAILABLE = 3, 14
 
@@ -56,6 +56,8 @@ def test_a_refused_submit_whose_caller_left_is_forgotten_and_ends_its_watchers(m
             bad_token = c.info().model.vocab_size + 5
             watcher_frames: list = []
             cancel_result: dict = {}
+            found = spy_on(srv.server.front, "find")
+            cancels = spy_on(srv.server.front, "cancel")
             with worker_paused(c):
                 with pytest.raises(DeadlineExceeded):  # the caller leaves before the answer
                     c.submit([1, bad_token], max_new_tokens=4, request_id="x", timeout=0.5)
@@ -66,7 +68,9 @@ def test_a_refused_submit_whose_caller_left_is_forgotten_and_ends_its_watchers(m
                 reader = read_all(watcher, watcher_frames)
                 canceller = threading.Thread(target=lambda: cancel_result.update(r=c.cancel("x")))
                 canceller.start()
-                time.sleep(0.3)
+                # both reached the front before the worker answers
+                wait_until(lambda: ("x",) in found and cancels)
+                c.health()  # a round trip through the front's loop: what they started is done
             resumed = time.monotonic()
             reader.join(10)
             canceller.join(10)
@@ -89,15 +93,18 @@ def test_subscribing_ahead_of_a_request_that_ends_shorter_is_refused_in_band(mod
     with start_server(model_dir) as srv:
         with Client(srv.target, timeout=30) as c:
             frames: list = []
+            submits = spy_on(srv.server.front, "submit")
+            found = spy_on(srv.server.front, "find")
             with worker_paused(c):  # the request is known to the front, not yet run
                 submitter = threading.Thread(target=lambda: c.submit([1, 2, 3], max_new_tokens=5, request_id="r"))
                 submitter.start()
-                time.sleep(0.3)
+                wait_until(lambda: submits)  # the front knows "r" now
                 session = c.session(timeout=20)
                 session.subscribe("r", from_seq=100)  # beyond what it will ever produce
                 session.close()
                 reader = read_all(session, frames)
-                time.sleep(0.3)
+                wait_until(lambda: ("r",) in found)  # the subscription reached the front
+                c.health()  # a round trip through the front's loop: what it started is done
             reader.join(10)
             submitter.join(10)
             assert frames[-1] == "END", frames
@@ -176,3 +183,24 @@ def test_a_prompt_beyond_the_models_positions_is_refused_by_the_front(model_dir)
             assert info.value.field == "max_new_tokens"
             assert f"= {MAX_POSITIONS + 1} exceeds the model's {MAX_POSITIONS} positions" in str(info.value)
             assert c.info().num_unfinished == 0
+
+
+def test_subscribe_at_the_exact_end_of_a_finished_request_gets_its_final_event(server):
+    with Client(server.target, timeout=30) as c:
+        c.generate([1, 2, 3], max_new_tokens=5, request_id="at-end")
+        evs = list(c.events("at-end", from_seq=5))
+        assert len(evs) == 1 and evs[0].finished and not evs[0].token_ids and evs[0].seq == 5
+
+
+def test_a_submit_whose_caller_left_before_the_ack_does_not_run_on(model_dir):
+    with start_server(model_dir) as srv:
+        with Client(srv.target, timeout=30) as c:
+            pid = c.info().worker.pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DeadlineExceeded):
+                    c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True, request_id="gone", timeout=0.5)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            wait_until(lambda: c.info().num_unfinished == 0, timeout=5)
+            assert c.result("gone").finish_reason == "cancelled"

@@ -18,12 +18,15 @@ from qil_client import (
     NotFound,
     pb,
 )
+from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_client.results import ResultBuilder
 from service_fixtures import (
     ENGINE,
     MAX_POSITIONS,
     POOL_TOKENS,
+    SMALL_WINDOW,
     reference_outputs,
+    start_server,
     wait_until,
 )
 
@@ -294,18 +297,29 @@ def test_live_duplicate_is_already_exists(client):
 
 
 def test_slow_reader_gets_coalesced_events_and_does_not_stall_others(server, client, model_dir):
-    prompt = [11, 12, 13]
+    prompt, n = [11, 12, 13], 2000
+    # the first 80 tokens against the in-process engine (all 2000 would take this process a while),
+    # all of them against the server's own record of the request
     want = reference_outputs(model_dir, [prompt], 80)[0]
-    slow = client.stream(prompt, max_new_tokens=80)
-    first = next(slow)
-    # Another request completes while the slow reader sleeps.
-    t0 = time.monotonic()
-    other = client.generate([2, 2], max_new_tokens=5)
-    assert other.finish_reason == "length" and time.monotonic() - t0 < 10
-    time.sleep(1.0)
-    rest = list(slow)
+    # A reader slower than the worker, whatever the machine's speed: its window is small (the
+    # server's writes to it block early) and it reads nothing more until its request is over.
+    ch = grpc.insecure_channel(server.target, options=SMALL_WINDOW)
+    try:
+        slow = pb_grpc.InferenceStub(ch).Generate(
+            pb.SubmitRequest(token_ids=prompt, max_new_tokens=n, request_id="slow-reader"), timeout=60)
+        first = next(slow)
+        # Another request completes while the slow reader reads nothing.
+        t0 = time.monotonic()
+        other = client.generate([2, 2], max_new_tokens=5)
+        assert other.finish_reason == "length" and time.monotonic() - t0 < 10
+        done = client.result("slow-reader", timeout=60)  # all made, none of the rest read
+        rest = list(slow)
+    finally:
+        ch.close()
     events = [first] + rest
-    assert [t for e in events for t in e.token_ids] == want
+    tokens = [t for e in events for t in e.token_ids]
+    assert len(tokens) == n and tokens == list(done.token_ids) and tokens[:80] == want
+    assert max(len(e.token_ids) for e in events) > 1, "no event carried more than one token"
     b = ResultBuilder()
     for e in events:
         b.add(e)  # raises on a gap
@@ -386,3 +400,82 @@ def test_build_event_keeps_text_and_logprobs_aligned_with_tokens():
     plain.final = (1, None, (1, 1, 0.1, 0.2, -1.0, -1.0, 0.3, 0, 0, 3))
     ev, _, _ = build_event(plain, 0)
     assert not ev.HasField("text") and not ev.logprobs and ev.stop_token_id == 3
+
+
+def test_cancelling_an_id_twice_reports_it_active_both_times(server):
+    with Client(server.target, timeout=30) as c:
+        rid = c.submit([1, 2, 3], max_new_tokens=6000, request_id="dup-cancel")
+        wait_until(lambda: c.info().pages.used > 0)
+        assert c.cancel(rid, rid) == {rid: True}
+        assert c.result(rid).finish_reason == "cancelled"
+
+
+def test_prompt_plus_max_new_equal_to_positions_is_accepted(tmp_path):
+    from checkpoints import make_checkpoint
+    with start_server(make_checkpoint(tmp_path / "m", seed=0, max_position_embeddings=64)) as srv:
+        with Client(srv.target, timeout=30) as c:
+            r = c.generate([1] * 60, max_new_tokens=4, ignore_eos=True)
+            assert r.finish_reason == "length" and r.num_output_tokens == 4
+            with pytest.raises(InvalidArgument):
+                c.generate([1] * 61, max_new_tokens=4)
+
+
+def test_request_id_of_exactly_the_maximum_length_is_accepted(server):
+    with Client(server.target, timeout=30) as c:
+        rid = "x" * 128
+        assert c.generate([1, 2], max_new_tokens=2, request_id=rid).request_id == rid
+
+
+def test_error_details_name_the_field_once(server):
+    with Client(server.target, timeout=30) as c:
+        with pytest.raises(InvalidArgument) as exc:
+            c.submit([1], max_new_tokens=0)
+        assert exc.value.field == "max_new_tokens"
+        assert exc.value.details.count("max_new_tokens:") == 1, exc.value.details
+
+
+def test_a_duplicate_reported_by_the_engine_is_already_exists():
+    from qil_worker.errors import DuplicateRequestError
+    from qil_worker.service.errors import classify_engine_error, from_worker_rejection
+    err = from_worker_rejection(*classify_engine_error(DuplicateRequestError("x")))
+    assert err.code == grpc.StatusCode.ALREADY_EXISTS and err.field == "request_id"
+
+
+def test_stop_string_limits_are_inclusive():
+    from qil_worker.service.errors import ServiceError
+    from qil_worker.service.requests import submit_args
+    ok = submit_args(pb.SubmitRequest(token_ids=[1], stop_strings=["a"] * 15 + ["b" * 256]))
+    assert len(ok.options["stop_strings"]) == 16
+    for bad in (["a"] * 17, ["b" * 257], [""]):
+        with pytest.raises(ServiceError) as exc:
+            submit_args(pb.SubmitRequest(token_ids=[1], stop_strings=bad))
+        assert exc.value.field == "stop_strings"
+
+
+def test_max_new_tokens_defaults_to_16(server):
+    with Client(server.target, timeout=30) as c:
+        r = c.generate([1, 2, 3], ignore_eos=True)
+        assert r.finish_reason == "length" and r.num_output_tokens == 16
+
+
+def test_a_session_answers_more_frames_than_it_holds_at_once(server):
+    from qil_worker.service import limits
+    n = limits.MAX_PENDING_FRAMES + 44
+    with Client(server.target, timeout=30) as c:
+        s = c.session(timeout=30)
+        for i in range(n):
+            s.cancel(f"nope-{i}")
+        s.close()
+        answers = [r for r in s if r.WhichOneof("frame") == "cancelled"]
+        assert len(answers) == n
+
+
+def test_finished_requests_beyond_the_retention_count_are_forgotten(model_dir):
+    with start_server(model_dir, retain_finished=2) as srv:
+        with Client(srv.target, timeout=30) as c:
+            for i in range(4):
+                c.generate([1, 2, i], max_new_tokens=2, request_id=f"kept-{i}")
+            for i in (0, 1):
+                with pytest.raises(NotFound):
+                    c.result(f"kept-{i}")
+            assert [c.result(f"kept-{i}").num_output_tokens for i in (2, 3)] == [2, 2]

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
+import time
 
 import grpc
 import pytest
@@ -305,3 +308,24 @@ def test_prefix_cache_hit_reports_cached_tokens(client):
     info = client.info()
     assert info.prefix_cache.enabled and 0 < info.prefix_cache.hit_rate <= 1
     assert info.pages.cached > 0 and info.pages.used == 0
+
+
+def test_a_worker_exits_without_waiting_for_a_prompt_still_being_encoded():
+    """The worker closes its encoder on STOP; a 16 MiB prompt can take many seconds to encode,
+    and the process must not wait for it to end (it did: the pool's thread was joined at exit)."""
+    script = (
+        "import threading, time\n"
+        "from qil_worker.service.prompt_encoder import PromptEncoder\n"
+        "started = threading.Event()\n"
+        "class Slow:\n"
+        "    def encode(self, text, add_special_tokens=False):\n"
+        "        started.set(); time.sleep(30); return [1]\n"  # the slow encode under test
+        "enc = PromptEncoder(Slow())\n"
+        "enc.start(('s', 'r1', None, 4, [], {'text': 'x' * 20000}))\n"
+        "assert started.wait(30)\n"
+        "enc.close()\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 15, "the process waited for the encode to finish"

@@ -1,10 +1,9 @@
-"""Client fixes against a real server: sessions end gRPC's request thread, ``events --from-seq``,
-one clean error line for bad targets and TLS files, and AsyncClient's parity with Client."""
+"""The client against a real server: sessions end gRPC's request thread, ``events --from-seq``,
+one clean error line for bad targets and TLS files, timeouts, and AsyncClient's parity with Client."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 import subprocess
 import sys
 import threading
@@ -13,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from qil_client import AsyncClient, Client, DeadlineExceeded, pb
-from qil_client._channel import resolve_target
-from qil_client.results import ResultBuilder
+from qil_client import AsyncClient, Client, DeadlineExceeded, NotFound
 from service_fixtures import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,19 +58,6 @@ def test_a_session_the_server_ends_frees_its_request_thread(client):
     wait_until(lambda: threading.active_count() <= before, timeout=5)
 
 
-def test_result_builder_starts_at_a_given_seq_and_still_detects_gaps():
-    b = ResultBuilder(start_seq=3)
-    with pytest.raises(RuntimeError, match="seq 0, expected 3"):
-        b.add(pb.Event(request_id="r", seq=0, token_ids=[1]))
-    b.add(pb.Event(request_id="r", seq=3, token_ids=[4, 5]))
-    with pytest.raises(RuntimeError, match="seq 6, expected 5"):
-        b.add(pb.Event(request_id="r", seq=6, token_ids=[7]))
-    b.add(pb.Event(request_id="r", seq=5, token_ids=[6], finished=True,
-                   finish_reason=pb.FINISH_REASON_LENGTH, num_output_tokens=6))
-    r = b.result()
-    assert r.token_ids == [4, 5, 6] and r.num_output_tokens == 6 and r.finish_reason == "length"
-
-
 def test_cli_events_from_a_later_seq(server, client):
     want = client.generate([1, 2, 3], max_new_tokens=8, request_id="cli-from-seq").token_ids
     out = _client_cli("--target", server.target, "events", "cli-from-seq", "--from-seq", "3")
@@ -81,24 +65,6 @@ def test_cli_events_from_a_later_seq(server, client):
     tokens, summary = out.stdout.strip().splitlines()
     assert [int(t) for t in tokens.split()] == want[3:]
     assert "request cli-from-seq: 8 tokens, finish=length" in summary
-
-
-@pytest.mark.parametrize("entries, bad", [
-    ("127.0.0.1:1,127.0.0.1", "'127.0.0.1'"),
-    (["127.0.0.1:1", "127.0.0.1:http"], "'127.0.0.1:http'"),
-    (["[::1]:1", "[::1]"], "'[::1]'"),
-    (["127.0.0.1:1", ":2"], "':2'"),
-])
-def test_a_target_list_entry_that_is_not_host_port_is_a_clear_value_error(entries, bad):
-    with pytest.raises(ValueError, match=re.escape(bad) + ".*expected HOST:PORT"):
-        resolve_target(entries)
-    with pytest.raises(ValueError, match="expected HOST:PORT"):
-        Client(entries)
-
-
-def test_an_unresolvable_name_in_a_target_list_is_a_value_error_naming_it():
-    with pytest.raises(ValueError, match="'nonexistent.invalid:1'"):
-        resolve_target("nonexistent.invalid:1,other.invalid:2")
 
 
 @pytest.mark.parametrize("args", [
@@ -164,15 +130,67 @@ def test_async_events_left_early_end_their_calls(server):
     async def run() -> None:
         async with AsyncClient(server.target, timeout=60) as ac:
             rid = await ac.submit([5, 5, 5], max_new_tokens=LONG, request_id="aio-events-early")
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one turn of the loop: the submit's own tasks are done
             before = len(asyncio.all_tasks())
             for _ in range(10):
                 events = ac.events(rid)
                 async for _ev in events:
                     break
                 await events.aclose()
-            await asyncio.sleep(0.5)
-            assert len(asyncio.all_tasks()) <= before  # no call left waiting for its status
+            deadline = time.monotonic() + 10
+            while len(asyncio.all_tasks()) > before:  # no call left waiting for its status
+                assert time.monotonic() < deadline, asyncio.all_tasks()
+                await asyncio.sleep(0.01)
+            # ... and they ended by themselves, not because the request did
+            assert (await ac.info()).num_unfinished >= 1
             await ac.cancel(rid)
 
     asyncio.run(run())
+
+
+def test_async_result_of_an_unknown_request_is_not_found(server):
+
+    async def main():
+        async with AsyncClient(server.target, timeout=30) as c:
+            with pytest.raises(NotFound) as exc:
+                await c.result("no-such-request")
+            assert exc.value.field == "request_id"
+    asyncio.run(main())
+
+
+def test_async_stream_closed_early_cancels_its_request(server):
+
+    async def main():
+        async with AsyncClient(server.target, timeout=30) as c:
+            agen = c.stream([1, 2, 3], max_new_tokens=6000, ignore_eos=True, request_id="aio-early")
+            await agen.__anext__()
+            await agen.aclose()
+            for _ in range(100):
+                if (await c.info()).num_unfinished == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await c.result("aio-early")).finish_reason == "cancelled"
+    asyncio.run(main())
+
+
+def test_a_successful_result_has_error_none(server):
+    with Client(server.target, timeout=30) as c:
+        assert c.generate([1, 2, 3], max_new_tokens=2).error is None
+
+
+def test_result_honours_its_timeout(server):
+    with Client(server.target) as c:  # no client-wide default timeout
+        rid = c.submit([1, 2, 3], max_new_tokens=6000, ignore_eos=True)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                c.result(rid, timeout=0.5)
+            assert time.monotonic() - t0 < 3
+
+            async def main():
+                async with AsyncClient(server.target) as ac:
+                    with pytest.raises(DeadlineExceeded):
+                        await ac.result(rid, timeout=0.5)
+            asyncio.run(main())
+        finally:
+            c.cancel(rid)
