@@ -346,7 +346,7 @@ def test_async_session_info_and_health(server, model_dir):
 
 
 def test_build_event_coalesces_everything_since_the_cursor():
-    from qil_worker.service.request_log import Req
+    from qil_worker.service.front_request import Req
     from qil_worker.service.streams import build_event
 
     req = Req("r", prompt_len=3)
@@ -363,7 +363,7 @@ def test_build_event_coalesces_everything_since_the_cursor():
 
 
 def test_build_event_keeps_text_and_logprobs_aligned_with_tokens():
-    from qil_worker.service.request_log import Req
+    from qil_worker.service.front_request import Req
     from qil_worker.service.streams import build_event
 
     req = Req("r", prompt_len=2)

@@ -1,7 +1,7 @@
 """The front's view of requests and of the worker process (asyncio, torch-free).
 
 ``Front`` owns the worker process (spawn, restart with bounded backoff, stop), turns the worker's
-per-step batches into per-request logs (``request_log``), and lets RPC handlers follow those logs.
+per-step batches into per-request logs (``front_request``), and lets RPC handlers follow those logs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from qil_worker.service.errors import (
     resource_exhausted,
     unavailable,
 )
-from qil_worker.service.request_log import Follower, Req, Retention
+from qil_worker.service.front_request import Follower, Req, Retention
 from qil_worker.service.worker_process import WorkerFailed, WorkerProcess, WorkerState
 
 log = logging.getLogger("qil.front")

@@ -17,7 +17,7 @@ from qil_worker.service.errors import invalid
 
 if TYPE_CHECKING:
     from qil_worker.service.front import Front
-    from qil_worker.service.request_log import Req
+    from qil_worker.service.front_request import Req
 
 # Optional SubmitRequest fields passed to Engine.submit under the same name when set.
 OPTIONAL_FIELDS = (

@@ -15,7 +15,7 @@ from qil_worker.service import limits
 from qil_worker.service.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, unavailable
 from qil_worker.service.front import Front
-from qil_worker.service.request_log import Follower
+from qil_worker.service.front_request import Follower
 from qil_worker.service.requests import submit_to
 from qil_worker.service.session import StreamSession
 from qil_worker.service.streams import backlog_bound, backlog_error, build_event, stream_fell_behind

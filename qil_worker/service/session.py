@@ -16,7 +16,7 @@ from qil_worker.service import limits
 from qil_worker.service.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, not_found, unavailable
 from qil_worker.service.front import Front
-from qil_worker.service.request_log import Req
+from qil_worker.service.front_request import Req
 from qil_worker.service.requests import submit_to
 from qil_worker.service.streams import (
     backlog_bound,
@@ -46,7 +46,7 @@ class StreamSession:
         self.fault: ServiceError | None = None
         self.tasks: set[asyncio.Task] = set()
 
-    # listener interface (see request_log.Follower)
+    # listener interface (see front_request.Follower)
     def wake(self, req: Req) -> None:
         cursor = self.subs.get(req)
         if cursor is not None:

@@ -8,7 +8,7 @@ import logging
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted
 from qil_worker.service.front import Front
-from qil_worker.service.request_log import Req
+from qil_worker.service.front_request import Req
 
 log = logging.getLogger("qil.server")
 
