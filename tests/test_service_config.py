@@ -113,13 +113,13 @@ def test_auth_token_from_flag_or_environment(monkeypatch):
 
 
 def _finished_req(rid: str, num_tokens: int = 1, top_width: int = 0):
-    from qil_worker.service.front_request import Req
+    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.protocol import FinalRecord, FinishReason
 
-    req = Req(rid, 1)
-    req.tokens = list(range(num_tokens))
-    if top_width:
-        req.top = [[(1, -0.1)] * top_width for _ in req.tokens]
-    req.final = (2, None, None)
+    req = FrontRequest(rid, 1)
+    for i in range(num_tokens):
+        req.append(i, None, None, [(1, -0.1)] * top_width if top_width else None)
+    req.append(-1, None, None, None, FinalRecord(FinishReason.LENGTH, None, 1, num_tokens, 0, None, None))
     return req
 
 

@@ -1,133 +1,113 @@
-"""The front's log of one request, and the followers that stream it.
+"""The front's view of one request (``FrontRequest``; the engine's ``Request`` is the worker's),
+and how long finished ones stay for late subscribers (``Retention``).
 
-A request's log is its list of output tokens plus its final record; a follower keeps only a
-cursor into it, so a slow reader costs no memory beyond the log itself (bounded by
-max_new_tokens) and never stalls anyone: when it catches up, everything produced meanwhile goes
-out as one event (coalescing). ``Retention`` decides how long finished logs stay for late
-subscribers.
+A request's log is its list of output tokens plus, once over, its final record. Whoever follows
+it registers a ``Listener`` and keeps only a cursor into the log (``streams.Subscription``), so a
+slow reader costs no memory beyond the log itself (bounded by max_new_tokens). The request
+notifies its listeners whenever it changes; nothing else changes it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import time
-from typing import Any, Callable
+from typing import Protocol
 
-from qil_worker.service import limits
-
-
-def retained_size(req: "Req") -> int:
-    """What keeping a finished request costs, in token-equivalents: each output token, plus one
-    per top-logprob candidate it carries (those dominate: ~100 bytes each in Python objects)."""
-    width = len(req.top[0]) if req.top else 0
-    return max(1, len(req.tokens) * (1 + width))
+from qil_worker.service.protocol import FinalRecord, FinishReason
 
 
-class Req:
+class Listener(Protocol):
+    def request_changed(self, req: "FrontRequest") -> None:
+        """New output, or the end."""
+
+    def request_lost(self, req: "FrontRequest") -> None:
+        """It ended because the worker died."""
+
+
+class FrontRequest:
     """One request as the front sees it: its output so far and, once over, its final record.
 
     Per output token i: ``tokens[i]``, and when the worker sends them ``texts[i]`` (the text
-    delta that token released), ``logprobs[i]`` and ``top[i]``. Parallel lists, so a follower
+    delta that token released), ``logprobs[i]`` and ``top[i]``. Parallel lists, so a reader
     starting at any cursor gets aligned slices.
     """
 
     __slots__ = (
         "rid", "prompt_len", "tokens", "texts", "logprobs", "top", "final_text", "final", "lost",
-        "listeners",
+        "_listeners",
     )
 
     def __init__(self, rid: str, prompt_len: int) -> None:
         self.rid = rid
-        self.prompt_len = prompt_len
+        self.prompt_len = prompt_len  # the worker's count once it accepted the prompt
         self.tokens: list[int] = []
         self.texts: list[str] | None = None  # None: the worker has no tokenizer
         self.logprobs: list[float] | None = None  # None: not asked for
         self.top: list[list[tuple[int, float]]] | None = None
         self.final_text = ""  # text released by the end itself (no token of its own)
-        # (finish_code, error, final_tuple_or_None) once the request is over
-        self.final: tuple[int, str | None, tuple | None] | None = None
+        self.final: FinalRecord | None = None  # how it ended, once it has
         self.lost = False  # ended because the worker died
-        self.listeners: set[Any] = set()
+        self._listeners: set[Listener] = set()
 
-    @property
-    def done(self) -> bool:
-        return self.final is not None
+    def listen(self, listener: Listener) -> None:
+        self._listeners.add(listener)
 
-    def add(self, token: int, text: str | None, logprob: float | None, top: list | None) -> None:
-        """One event of the worker: a token (``token >= 0``) or the end's own text."""
+    def unlisten(self, listener: Listener) -> None:
+        self._listeners.discard(listener)
+
+    def append(
+        self, token: int, text: str | None, logprob: float | None, top: list | None,
+        final: FinalRecord | None = None,
+    ) -> None:
+        """One event of the worker: a token (``token >= 0``) or the end's own text, and the
+        final record when the request ended with it."""
         if text is not None and self.texts is None:
             self.texts = [""] * len(self.tokens)
         if token < 0:
             if text:
                 self.final_text += text
-            return
-        self.tokens.append(token)
-        if self.texts is not None:
-            self.texts.append(text or "")
-        if logprob is not None:
-            if self.logprobs is None:
-                self.logprobs = [0.0] * (len(self.tokens) - 1)
-            self.logprobs.append(logprob)
-        if top is not None:
-            if self.top is None:
-                self.top = [[] for _ in range(len(self.tokens) - 1)]
-            self.top.append(top)
-
-
-class Follower:
-    """Wakes one coroutine whenever a request it follows has news.
-
-    With ``max_backlog``, it also watches how far its reader is behind: ``written`` is the
-    cursor up to which the follower's events have been written to the client and
-    ``writing_since`` when the write in flight started (None: none is). When the request has
-    produced more than ``max_backlog`` tokens past ``written`` while one write has been pending
-    for ``limits.STREAM_STALL_S`` (the client stopped reading and HTTP/2 flow control holds the
-    writer), ``on_backlog`` is called once and ``exhausted`` is set. A follower that is merely
-    waiting for news is never behind: its next event takes everything at once. The stall time
-    keeps a reader that is only briefly slow (a busy host) from being cut off.
-    """
-
-    __slots__ = (
-        "_event", "lost", "written", "writing_since", "max_backlog", "exhausted", "on_backlog",
-    )
-
-    def __init__(self, max_backlog: int | None = None, on_backlog: Callable[[Req], Any] | None = None) -> None:
-        self._event = asyncio.Event()
-        self.lost = False
-        self.written = 0
-        self.writing_since: float | None = None
-        self.max_backlog = max_backlog
-        self.exhausted = False
-        self.on_backlog = on_backlog
-
-    def wake(self, req: Req) -> None:
-        if (
-            self.max_backlog is not None
-            and self.writing_since is not None
-            and not self.exhausted
-            and req.final is None
-            and len(req.tokens) - self.written > self.max_backlog
-            and time.monotonic() - self.writing_since >= limits.STREAM_STALL_S
-        ):
-            self.exhausted = True
-            if self.on_backlog is not None:
-                self.on_backlog(req)
-        self._event.set()
-
-    def worker_lost(self, req: Req) -> None:
-        self.lost = True
-        self._event.set()
-
-    async def wait(self, timeout: float | None = None) -> None:
-        if timeout is None:
-            await self._event.wait()
         else:
-            try:
-                await asyncio.wait_for(self._event.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-        self._event.clear()
+            self.tokens.append(token)
+            if self.texts is not None:
+                self.texts.append(text or "")
+            if logprob is not None:
+                if self.logprobs is None:
+                    self.logprobs = [0.0] * (len(self.tokens) - 1)
+                self.logprobs.append(logprob)
+            if top is not None:
+                if self.top is None:
+                    self.top = [[] for _ in range(len(self.tokens) - 1)]
+                self.top.append(top)
+        if final is not None:
+            self.final = final
+        for listener in list(self._listeners):
+            listener.request_changed(self)
+
+    def fail(self, error: str) -> None:
+        """End it here, in the front, with an error (the worker refused it)."""
+        self.final = self._error_record(error)
+        for listener in list(self._listeners):
+            listener.request_changed(self)
+
+    def lose(self, error: str) -> None:
+        """End it because the worker died."""
+        self.lost = True
+        self.final = self._error_record(error)
+        for listener in list(self._listeners):
+            listener.request_lost(self)
+
+    def _error_record(self, error: str) -> FinalRecord:
+        return FinalRecord(
+            reason=FinishReason.ERROR, error=error, num_prompt_tokens=self.prompt_len,
+            num_output_tokens=len(self.tokens), num_cached_tokens=0, stop_reason=None, metrics=None,
+        )
+
+
+def retained_size(req: FrontRequest) -> int:
+    """What keeping a finished request costs, in token-equivalents: each output token, plus one
+    per top-logprob candidate it carries (those dominate: ~100 bytes each in Python objects)."""
+    width = len(req.top[0]) if req.top else 0
+    return max(1, len(req.tokens) * (1 + width))
 
 
 class Retention:
@@ -144,7 +124,7 @@ class Retention:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep(self, req: Req) -> list[str]:
+    def keep(self, req: FrontRequest) -> list[str]:
         """Keep ``req`` (finished now); returns the ids that no longer fit, oldest first."""
         self.forget(req.rid)
         size = retained_size(req)
