@@ -1,9 +1,10 @@
 """The front: the worker's supervisor and the table of requests in flight behind one object that
 the RPC handlers (gRPC, HTTP) call (asyncio, torch-free).
 
-``supervisor`` runs the worker process; ``requests_in_flight`` holds the requests, whose logs the
-streaming calls follow (``streams.Subscription``). Every batch of the worker carries the page
-pool's numbers after its step, so ``stats`` is current without asking the worker.
+``supervisor`` (a ``WorkerSupervisor``) runs the worker process; ``requests`` (a
+``RequestsInFlight``) holds the requests, whose logs the streaming calls follow
+(``streams.Subscription``). Every batch of the worker carries the page pool's numbers after its
+step, so ``stats`` is current without asking the worker.
 """
 
 from __future__ import annotations
