@@ -10,6 +10,7 @@ import pytest
 from checkpoints import make_text_checkpoint
 from qil_worker import InvalidRequestError
 from qil_worker.service.prompt_encoder import INLINE_CHARS, PromptEncoder
+from qil_worker.service.protocol import Submit
 from qil_worker.text import StopStringMatcher, encode_prompt, load_tokenizer
 from qil_worker.text.detokenizer import IncrementalDetokenizer
 from qil_worker.text.output import TextOutput
@@ -66,14 +67,14 @@ def test_long_chat_prompt_keeps_enable_thinking(tok):
     enc = PromptEncoder(tok)
     options = {"messages": msgs, "enable_thinking": False}
     assert enc.takes(options)
-    enc.start(("SUBMIT", "r1", None, 4, [], options))
+    enc.start(Submit("r1", None, 4, [], options))
     while not enc.wait(5):
         pass
     ((submit, error, cancelled),) = enc.finished()
     enc.close()
     assert error is None and not cancelled
-    assert submit[2] == encode_prompt(tok, messages=msgs, enable_thinking=False)
-    assert "enable_thinking" not in submit[5] and "messages" not in submit[5]
+    assert submit.token_ids == encode_prompt(tok, messages=msgs, enable_thinking=False)
+    assert "enable_thinking" not in submit.options and "messages" not in submit.options
 
 
 def test_earliest_stop_wins_whatever_the_list_order():
@@ -105,11 +106,12 @@ def test_a_worker_exits_without_waiting_for_a_prompt_still_being_encoded():
     script = (
         "import time\n"
         "from qil_worker.service.prompt_encoder import PromptEncoder\n"
+        "from qil_worker.service.protocol import Submit\n"
         "class Slow:\n"
         "    def encode(self, text, add_special_tokens=False):\n"
         "        time.sleep(30); return [1]\n"
         "enc = PromptEncoder(Slow())\n"
-        "enc.start(('s', 'r1', None, 4, [], {'text': 'x' * 20000}))\n"
+        "enc.start(Submit('r1', None, 4, [], {'text': 'x' * 20000}))\n"
         "time.sleep(0.2)\n"
         "enc.close()\n"
     )
