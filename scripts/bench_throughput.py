@@ -98,7 +98,8 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
     engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
                     token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
                     max_active=args.max_active, prefix_cache=prefix_cache, cuda_graphs=cuda_graphs,
-                    schedule_policy=args.schedule_policy, attention=args.attention)
+                    schedule_policy=args.schedule_policy, attention=args.attention,
+                    retained_results=len(reqs) + 1)  # every result is read after the run
     if served_before is not None:
         engine.generate([served_before], max_new_tokens=1)
     sampling = dict(temperature=args.temperature, seed=args.seed) if args.temperature else {}

@@ -312,3 +312,23 @@ def test_an_id_is_free_again_once_its_cancel_event_is_out(model):
     engine.submit([4, 5], max_new_tokens=2, request_id="a")
     run_to_completion(engine)
     assert engine.result("a").prompt_token_ids == [4, 5]
+
+
+def test_the_final_event_carries_the_result_and_the_engine_retains_a_bounded_number(model):
+    engine = Engine(model, num_pages=32, page_size=4, retained_results=2)
+    ids = [engine.submit([1, 2, i], max_new_tokens=2) for i in range(3)]
+    events = run_to_completion(engine)
+    assert all(e.result is None for e in events if not e.finished)
+    finals = {e.request_id: e.result for e in events if e.finished}
+    assert [finals[i].prompt_token_ids for i in ids] == [[1, 2, 0], [1, 2, 1], [1, 2, 2]]
+    assert all(finals[i].finish_reason is FinishReason.LENGTH and len(finals[i].output_token_ids) == 2
+               for i in ids)
+    with pytest.raises(UnknownRequestError):
+        engine.result(ids[0])  # the oldest finished request is forgotten by the engine itself
+    assert engine.result(ids[2]) == finals[ids[2]]
+    engine.release(ids[2])
+    engine.release(ids[2])  # already forgotten: nothing to do
+    with pytest.raises(UnknownRequestError):
+        engine.result(ids[2])
+    with pytest.raises(ValueError, match="retained_results"):
+        Engine(model, num_pages=32, page_size=4, retained_results=-1)

@@ -9,6 +9,7 @@ from engine_helpers import run_to_completion
 from qil_worker import Engine, FinishReason, InvalidRequestError, Qwen3
 from qil_worker.errors import TokenizerUnavailableError
 from qil_worker.service.prompt_encoder import INLINE_CHARS, PromptEncoder
+from qil_worker.service.protocol import Submit
 from qil_worker.text import IncrementalDetokenizer, StopStringMatcher, encode_prompt, load_tokenizer
 from qil_worker.text.output import TextOutput
 
@@ -247,14 +248,14 @@ def test_long_chat_prompt_keeps_enable_thinking(tok):
     enc = PromptEncoder(tok)
     options = {"messages": msgs, "enable_thinking": False}
     assert enc.takes(options)
-    enc.start(("SUBMIT", "r1", None, 4, [], options))
+    enc.start(Submit("r1", None, 4, [], options))
     while not enc.wait(5):
         pass
     ((submit, error, cancelled),) = enc.finished()
     enc.close()
     assert error is None and not cancelled
-    assert submit[2] == encode_prompt(tok, messages=msgs, enable_thinking=False)
-    assert "enable_thinking" not in submit[5] and "messages" not in submit[5]
+    assert submit.token_ids == encode_prompt(tok, messages=msgs, enable_thinking=False)
+    assert "enable_thinking" not in submit.options and "messages" not in submit.options
 
 
 def test_earliest_stop_wins_whatever_the_list_order():

@@ -59,10 +59,10 @@ def test_finish_reason_zero_is_unspecified():
 
     assert pb.FinishReason.Name(0) == "FINISH_REASON_UNSPECIFIED"
     assert pb.WorkerState.Name(0) == "WORKER_STATE_UNSPECIFIED"
-    from qil_worker.service.protocol import FINISH_CODES
+    from qil_worker.service.protocol import FinishReason
 
-    for name, code in FINISH_CODES.items():
-        assert pb.FinishReason.Name(code) == f"FINISH_REASON_{name.upper()}"
+    for reason in FinishReason:
+        assert pb.FinishReason.Name(reason) == f"FINISH_REASON_{reason.name}"
 
 
 def _modules_after_import(code: str) -> set[str]:

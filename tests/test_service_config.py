@@ -113,18 +113,18 @@ def test_auth_token_from_flag_or_environment(monkeypatch):
 
 
 def _finished_req(rid: str, num_tokens: int = 1, top_width: int = 0):
-    from qil_worker.service.request_log import Req
+    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.protocol import FinalRecord, FinishReason
 
-    req = Req(rid, 1)
-    req.tokens = list(range(num_tokens))
-    if top_width:
-        req.top = [[(1, -0.1)] * top_width for _ in req.tokens]
-    req.final = (2, None, None)
+    req = FrontRequest(rid, 1)
+    for i in range(num_tokens):
+        req.append(i, None, None, [(1, -0.1)] * top_width if top_width else None)
+    req.append(-1, None, None, None, FinalRecord(FinishReason.LENGTH, None, 1, num_tokens, 0, None, None))
     return req
 
 
 def test_finished_requests_are_retained_boundedly():
-    from qil_worker.service.request_log import Retention
+    from qil_worker.service.front_request import Retention
 
     kept = Retention(max_count=2, max_size=10**6, max_age_s=60)
     dropped = [kept.keep(_finished_req(f"r{i}")) for i in range(4)]
@@ -133,7 +133,7 @@ def test_finished_requests_are_retained_boundedly():
 
 
 def test_finished_requests_are_retained_within_a_token_budget():
-    from qil_worker.service.request_log import Retention, retained_size
+    from qil_worker.service.front_request import Retention, retained_size
 
     kept = Retention(max_count=100, max_size=1000, max_age_s=60)
     sizes, dropped = {}, []
@@ -148,7 +148,7 @@ def test_finished_requests_are_retained_within_a_token_budget():
 
 
 def test_finished_requests_expire_by_age_and_a_forgotten_id_frees_its_size():
-    from qil_worker.service.request_log import Retention
+    from qil_worker.service.front_request import Retention
 
     kept = Retention(max_count=100, max_size=1000, max_age_s=0.05)
     kept.keep(_finished_req("old", num_tokens=10))
@@ -160,7 +160,7 @@ def test_finished_requests_expire_by_age_and_a_forgotten_id_frees_its_size():
 
 
 def test_retention_bounds_are_inclusive():
-    from qil_worker.service.request_log import Retention
+    from qil_worker.service.front_request import Retention
 
     kept = Retention(max_count=2, max_size=200, max_age_s=60)
     assert kept.keep(_finished_req("a", num_tokens=100)) == []

@@ -359,17 +359,25 @@ def test_async_session_info_and_health(server, model_dir):
     assert cancelled == {"aio-s": False}  # already over
 
 
+def _final(reason, prompt, output, preemptions=0, stop=None, mean_itl=0.01, max_itl=0.02):
+    from qil_worker.service.protocol import FinalRecord, RequestMetrics
+
+    metrics = RequestMetrics(0.1, 0.2, mean_itl, max_itl, 0.3, preemptions)
+    return FinalRecord(reason, None, prompt, output, 0, stop, metrics)
+
+
 def test_build_event_coalesces_everything_since_the_cursor():
-    from qil_worker.service.request_log import Req
+    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.protocol import FinishReason
     from qil_worker.service.streams import build_event
 
-    req = Req("r", prompt_len=3)
+    req = FrontRequest("r", prompt_len=3)
     assert build_event(req, 0) == (None, 0, False)
-    req.tokens.extend([5, 6, 7])
+    for t in (5, 6, 7):
+        req.append(t, None, None, None)
     ev, cursor, done = build_event(req, 1)
     assert (ev.seq, list(ev.token_ids), cursor, done, ev.finished) == (1, [6, 7], 3, False, False)
-    req.tokens.append(8)
-    req.final = (2, None, (3, 4, 0.1, 0.2, 0.01, 0.02, 0.3, 1))
+    req.append(8, None, None, None, _final(FinishReason.LENGTH, 3, 4, preemptions=1))
     ev, cursor, done = build_event(req, 3)
     assert (ev.seq, list(ev.token_ids), cursor, done) == (3, [8], 4, True)
     assert ev.finish_reason == pb.FINISH_REASON_LENGTH and ev.num_output_tokens == 4
@@ -377,27 +385,27 @@ def test_build_event_coalesces_everything_since_the_cursor():
 
 
 def test_build_event_keeps_text_and_logprobs_aligned_with_tokens():
-    from qil_worker.service.request_log import Req
+    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.protocol import FinishReason
     from qil_worker.service.streams import build_event
 
-    req = Req("r", prompt_len=2)
-    req.add(5, "a", -0.5, [(5, -0.5), (6, -1.0)])
-    req.add(6, "", -0.25, [(6, -0.25), (5, -2.0)])  # a token ending mid-character
-    req.add(7, "é", -1.5, [(1, -0.1), (7, -1.5)])
+    req = FrontRequest("r", prompt_len=2)
+    req.append(5, "a", -0.5, [(5, -0.5), (6, -1.0)])
+    req.append(6, "", -0.25, [(6, -0.25), (5, -2.0)])  # a token ending mid-character
+    req.append(7, "é", -1.5, [(1, -0.1), (7, -1.5)])
     ev, cursor, done = build_event(req, 1)
     assert (list(ev.token_ids), ev.text, list(ev.logprobs)) == ([6, 7], "é", [-0.25, -1.5])
     assert [[(c.token_id, c.logprob) for c in t.candidates] for t in ev.top_logprobs] == [
         [(6, -0.25), (5, -2.0)], [(1, -0.1), (7, -1.5)]
     ]
-    req.add(-1, "xy", None, None)  # text released by the end itself (e.g. a held-back prefix)
-    req.final = (1, None, (2, 3, 0.1, 0.2, 0.01, 0.02, 0.3, 0, 0, "STOP"))
+    # text released by the end itself (e.g. a held-back prefix)
+    req.append(-1, "xy", None, None, _final(FinishReason.STOP, 2, 3, stop="STOP"))
     ev, cursor, done = build_event(req, 3)
     assert done and list(ev.token_ids) == [] and ev.text == "xy" and ev.stop_string == "STOP"
     ev, _, _ = build_event(req, 0)
     assert ev.text == "aéxy" and len(ev.logprobs) == len(ev.top_logprobs) == 3
-    plain = Req("p", prompt_len=1)
-    plain.add(3, None, None, None)
-    plain.final = (1, None, (1, 1, 0.1, 0.2, -1.0, -1.0, 0.3, 0, 0, 3))
+    plain = FrontRequest("p", prompt_len=1)
+    plain.append(3, None, None, None, _final(FinishReason.STOP, 1, 1, stop=3, mean_itl=None, max_itl=None))
     ev, _, _ = build_event(plain, 0)
     assert not ev.HasField("text") and not ev.logprobs and ev.stop_token_id == 3
 

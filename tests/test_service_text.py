@@ -316,12 +316,13 @@ def test_a_worker_exits_without_waiting_for_a_prompt_still_being_encoded():
     script = (
         "import threading, time\n"
         "from qil_worker.service.prompt_encoder import PromptEncoder\n"
+        "from qil_worker.service.protocol import Submit\n"
         "started = threading.Event()\n"
         "class Slow:\n"
         "    def encode(self, text, add_special_tokens=False):\n"
         "        started.set(); time.sleep(30); return [1]\n"  # the slow encode under test
         "enc = PromptEncoder(Slow())\n"
-        "enc.start(('s', 'r1', None, 4, [], {'text': 'x' * 20000}))\n"
+        "enc.start(Submit('r1', None, 4, [], {'text': 'x' * 20000}))\n"
         "assert started.wait(30)\n"
         "enc.close()\n"
     )

@@ -3,56 +3,88 @@ taken into one step; a busy worker never waits for more."""
 
 import multiprocessing
 import os
+import queue
 import threading
-import time
 
 from qil_worker import Engine
 from qil_worker.service import protocol as P
 from qil_worker.service import worker
 
 
-def _run_loop(model, monkeypatch, gap_s: float, window_s: float):
+class _Received:
+    """The worker's end of the pipe, telling the test each message the worker took."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self.taken: queue.SimpleQueue = queue.SimpleQueue()
+
+    def poll(self, timeout=0.0):
+        return self._conn.poll(timeout)
+
+    def recv(self):
+        msg = self._conn.recv()
+        self.taken.put(msg)
+        return msg
+
+    def send(self, msg):
+        self._conn.send(msg)
+
+
+def _run_loop(engine, monkeypatch, gap_s: float, window_s: float):
     monkeypatch.setattr(worker, "BURST_GAP_S", gap_s)
     monkeypatch.setattr(worker, "BURST_WINDOW_S", window_s)
     front, back = multiprocessing.Pipe()
-    engine = Engine(model, num_pages=64, page_size=4)
+    back = _Received(back)
     loop = threading.Thread(target=worker._serve, args=(back, engine, os.getppid()), daemon=True)
     loop.start()
-    return front, loop
+    return front, back, loop
 
 
 def _submit(conn, rid: str) -> None:
-    conn.send((P.SUBMIT, rid, [1, 2, 3], 2, [], {}))
+    conn.send(P.Submit(rid, [1, 2, 3], 2, [], {}))
 
 
 def _first_step_acks(conn) -> list[str]:
     assert conn.poll(30)
     msg = conn.recv()
-    assert msg[0] == P.BATCH
-    return [rid for rid, error, _ in msg[1]]
+    assert isinstance(msg, P.StepBatch)
+    return [ack.request_id for ack in msg.acks]
+
+
+def _stop(conn, loop) -> None:
+    conn.send(P.Stop())
+    loop.join(10)
+    assert not loop.is_alive()
 
 
 def test_a_burst_waking_the_worker_shares_its_first_step(model, monkeypatch):
     # generous gaps so a slow CI machine cannot split the burst; the logic is the same at 2 ms
-    front, loop = _run_loop(model, monkeypatch, gap_s=0.5, window_s=5.0)
+    engine = Engine(model, num_pages=64, page_size=4)
+    front, back, loop = _run_loop(engine, monkeypatch, gap_s=0.5, window_s=5.0)
     for i in range(4):
         _submit(front, f"r{i}")
-        time.sleep(0.05)  # spaced, as separate RPCs arrive
+        # each submit arrives only once the woken worker took the one before, as separate RPCs
+        assert back.taken.get(timeout=30).request_id == f"r{i}"
     assert _first_step_acks(front) == ["r0", "r1", "r2", "r3"]
-    front.send((P.STOP,))
-    loop.join(10)
-    assert not loop.is_alive()
+    _stop(front, loop)
 
 
 def test_without_the_burst_window_the_first_submit_steps_alone(model, monkeypatch):
-    front, loop = _run_loop(model, monkeypatch, gap_s=0.0, window_s=0.0)
+    engine = Engine(model, num_pages=64, page_size=4)
+    stepping = threading.Event()
+    real_step = engine.step
+
+    def step():
+        stepping.set()
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    front, _, loop = _run_loop(engine, monkeypatch, gap_s=0.0, window_s=0.0)
     _submit(front, "a")
-    time.sleep(0.3)  # the worker has long started its first step
+    assert stepping.wait(30)  # the worker started its first step without waiting for more
     _submit(front, "b")
     assert _first_step_acks(front) == ["a"]
-    front.send((P.STOP,))
-    loop.join(10)
-    assert not loop.is_alive()
+    _stop(front, loop)
 
 
 class _BlockingTokenizer:
@@ -74,11 +106,14 @@ def _until_final(conn, rid: str, seen: list) -> None:
     """Read batches (keeping acks and events in ``seen``) until ``rid`` has its final event."""
     while True:
         assert conn.poll(30), "the worker stopped answering"
-        tag, acks, events, *_ = conn.recv()
-        assert tag == P.BATCH
-        seen.extend(("ack", rid_, error) for rid_, error, _ in acks)
-        seen.extend(("event", ev[0], ev[3]) for ev in events)
-        if any(ev[0] == rid and ev[3] for ev in events):
+        batch = conn.recv()
+        assert isinstance(batch, P.StepBatch)
+        seen.extend(("ack", ack.request_id, ack.rejection) for ack in batch.acks)
+        seen.extend(
+            ("event", rid_, batch.finals[rid_].reason if rid_ in batch.finals else None)
+            for rid_ in batch.request_ids
+        )
+        if rid in batch.finals:
             return
 
 
@@ -98,25 +133,50 @@ def test_a_long_text_prompt_is_tokenized_beside_the_step_loop(tmp_path, monkeypa
     front, back = multiprocessing.Pipe()
     loop = threading.Thread(target=worker._serve, args=(back, engine, os.getppid()), daemon=True)
     loop.start()
-    front.send((P.SUBMIT, "slow", None, 4, [], {"text": "hello there"}))
-    front.send((P.SUBMIT, "fast", [1, 2, 3], 4, [], {"ignore_eos": True}))
+    front.send(P.Submit("slow", None, 4, [], {"text": "hello there"}))
+    front.send(P.Submit("fast", [1, 2, 3], 4, [], {"ignore_eos": True}))
     seen: list = []
     _until_final(front, "fast", seen)
     assert ("ack", "fast", None) in seen and not any(rid == "slow" for _, rid, _ in seen)
-    front.send((P.CANCEL, "slow"))
+    front.send(P.Cancel("slow"))
     tokenizer.release.set()
     _until_final(front, "slow", seen)
     assert ("ack", "slow", None) in seen  # submitted once encoded ...
-    assert ("event", "slow", P.FINISH_CODES["cancelled"]) in seen  # ... and cancelled at once
-    front.send((P.SUBMIT, "bad", None, 4, [], {"messages": [{"role": "robot", "content": "a long one"}]}))
+    assert ("event", "slow", P.FinishReason.CANCELLED) in seen  # ... and cancelled at once
+    front.send(P.Submit("bad", None, 4, [], {"messages": [{"role": "robot", "content": "a long one"}]}))
     while True:  # an encoding error is the submit's answer, as before
         assert front.poll(30)
-        acks = front.recv()[1]
+        acks = front.recv().acks
         if acks:
             break
-    ((rid, error, _),) = acks
-    assert rid == "bad" and error[1] == "messages[0]"
-    front.send((P.STOP,))
+    (ack,) = acks
+    assert ack.request_id == "bad" and ack.rejection.field == "messages[0]"
+    assert ack.rejection.kind is P.RejectKind.INVALID
+    front.send(P.Stop())
     loop.join(10)
     assert not loop.is_alive()
     assert engine.stats().num_pages_used == 0
+
+
+def test_every_step_sends_one_batch_with_the_pool_numbers_after_it(model, monkeypatch):
+    """The front reads the page pool from the latest batch (there is no stats request): a step
+    that only computes a prompt chunk, with no event, still reports the pages it took; the final
+    record carries the request's counts and metrics."""
+    engine = Engine(model, num_pages=64, page_size=4, token_budget=8, prefill_chunk=8)
+    front, _, loop = _run_loop(engine, monkeypatch, gap_s=0.0, window_s=0.0)
+    front.send(P.Submit("long", list(range(1, 30)), 2, [], {}))  # 29 prompt tokens: 4 chunks
+    batches = []
+    while not batches or "long" not in batches[-1].finals:
+        assert front.poll(30), "the worker stopped answering"
+        batches.append(front.recv())
+    first = batches[0]
+    assert [a.request_id for a in first.acks] == ["long"] and first.request_ids == []
+    assert first.stats.pages_used == 2 and first.timing is not None  # 8 tokens in 4-token pages
+    with_events = [b for b in batches if b.request_ids]
+    assert len(batches) == 5 and with_events == batches[-2:]  # 3 chunks without events, 2 tokens
+    assert all(b.request_ids == ["long"] and b.timing is not None for b in with_events)
+    final = batches[-1].finals["long"]
+    assert (final.reason, final.num_prompt_tokens, final.num_output_tokens) == (P.FinishReason.LENGTH, 29, 2)
+    assert final.metrics.ttft_s is not None and final.metrics.e2e_s >= final.metrics.ttft_s
+    assert batches[-1].stats.pages_used == 0 and batches[-1].stats.num_running == 0
+    _stop(front, loop)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import secrets
 import logging
@@ -37,6 +38,7 @@ from qil_worker.text.prompt import encode_prompt
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512  # decode steps with more requests than this run eagerly
+RETAINED_RESULTS = 1024  # finished requests whose ``result()`` stays known (newest first)
 
 
 # CUDA's sticky errors, as its runtime words them: after one of these every later call on the
@@ -77,6 +79,10 @@ class Engine:
     """Continuous batching over a paged KV cache: each ``step()`` is one model forward.
 
     Not thread-safe: one owner calls ``submit``/``cancel``/``step`` (the worker process loop).
+
+    A request's final event carries its ``Result``, and the engine forgets finished requests by
+    itself: ``result()`` knows the ``retained_results`` most recent ones (0: none, as a server
+    that reads the results from the events wants), and ``release()`` forgets one at once.
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         schedule_policy: str = "fcfs",
         attention: str | AttentionBackend = "auto",
+        retained_results: int = RETAINED_RESULTS,
     ) -> None:
         """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
         off with ``debug``). Given ``True`` on another device, the same padded decode path runs
@@ -148,8 +155,13 @@ class Engine:
             else None
         )
         self._eos_ids = frozenset(c.eos_token_ids)
+        # requests whose final event is not handed out yet (active ones, cancels in ``_pending``)
         self._requests: dict[str, Request] = {}
         self._pending: list[Event] = []  # final events of cancels, emitted by the next step
+        if not isinstance(retained_results, int) or retained_results < 0:
+            raise ValueError(f"retained_results must be a non-negative integer, got {retained_results!r}")
+        self._retained_results = retained_results
+        self._results: collections.OrderedDict[str, Result] = collections.OrderedDict()
         self._ids = itertools.count()
         self._closed = False
         # Why the device can no longer be used (``device_unusable``); the engine then refuses work.
@@ -211,14 +223,13 @@ class Engine:
         elif sampling_fields:
             raise TypeError("pass either sampling= or sampling fields, not both")
         sampling.validate(max_new_tokens)
-        existing = self._requests.get(request_id) if request_id is not None else None
-        if existing is not None and (
-            not existing.finished or any(e.request_id == request_id for e in self._pending)
-        ):  # (a cancelled request is over once the next step has handed out its final event)
+        if request_id in self._requests:
+            # active, or cancelled with its final event not yet handed out: reusing the id now
+            # would interleave two requests' events under one id
             raise DuplicateRequestError(request_id)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-            while request_id in self._requests:
+            while request_id in self._requests or request_id in self._results:
                 request_id = f"req-{next(self._ids)}"
         request = Request(
             request_id=request_id,
@@ -234,7 +245,8 @@ class Engine:
             if self.tokenizer is None
             else TextOutput(self.tokenizer, stop_strings or (), include_stop_string, skip_special_tokens),
         )
-        self._requests[request_id] = request  # replaces a finished request of the same id
+        self._results.pop(request_id, None)  # a finished request of the same id is forgotten
+        self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
 
@@ -244,7 +256,7 @@ class Engine:
         if request is None or request.finished:
             return False
         self._finish(request, FinishReason.CANCELLED)
-        self._pending.append(self._final_event(request, token_id=None))
+        self._pending.append(self._final_event(request, handed_out_now=False))
         return True
 
     # -- the step ----------------------------------------------------------------------------
@@ -253,6 +265,8 @@ class Engine:
         """Run one batched forward over all scheduled work and return its events."""
         self._check_open()
         events, self._pending = self._pending, []
+        for event in events:  # the cancelled requests' ids are free again
+            del self._requests[event.request_id]
         chunks = self.scheduler.schedule()
         if not chunks:
             return events
@@ -317,6 +331,7 @@ class Engine:
             elif len(request.output_token_ids) >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
             index = len(request.output_token_ids) - 1
+            result = None
             if reason is not None:
                 if request.text is not None:
                     text += request.text.finish()
@@ -324,9 +339,10 @@ class Engine:
                         # the last characters, released only now, completed a stop string
                         reason, request.stop_reason = FinishReason.STOP, request.text.matched_stop
                 self._finish(request, reason)
+                result = self._retire(request)
             return Event(
                 request.request_id, token, index, reason is not None, reason, None, logprob,
-                top_logprobs, text, request.stop_reason,
+                top_logprobs, text, request.stop_reason, result,
             )
         except Exception as exc:  # a fault of this request only
             log.exception("request %s failed", request.request_id)
@@ -335,21 +351,34 @@ class Engine:
     def _fail(self, request: Request, message: str) -> Event:
         request.error = message
         self._finish(request, FinishReason.ERROR)
-        return self._final_event(request, token_id=None)
+        return self._final_event(request, handed_out_now=True)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.remove(request)
         request.finish_reason = reason
         request.metrics.finished_time = time.perf_counter()
 
-    @staticmethod
-    def _final_event(request: Request, token_id: int | None) -> Event:
-        """The closing event of a request that ended without producing a token."""
+    def _final_event(self, request: Request, handed_out_now: bool) -> Event:
+        """The closing event of a request that ended without producing a token; unless
+        ``handed_out_now``, its id stays taken until the next step hands the event out."""
         text = request.text.finish() if request.text is not None else None
         return Event(
-            request.request_id, token_id, len(request.output_token_ids), True,
+            request.request_id, None, len(request.output_token_ids), True,
             request.finish_reason, request.error, text=text,
+            result=self._retire(request, keep_id=not handed_out_now),
         )
+
+    def _retire(self, request: Request, keep_id: bool = False) -> Result:
+        """A finished request's result, kept among the newest ``retained_results``; the request
+        itself is forgotten (``keep_id``: once its final event is handed out)."""
+        result = request.result()
+        if not keep_id:
+            self._requests.pop(request.request_id, None)
+        if self._retained_results:
+            self._results[request.request_id] = result
+            while len(self._results) > self._retained_results:
+                self._results.popitem(last=False)
+        return result
 
     # -- state and results -------------------------------------------------------------------
 
@@ -359,19 +388,27 @@ class Engine:
         return not self.scheduler.has_work and not self._pending
 
     def result(self, request_id: str) -> Result:
-        """The request as it stands (finished or not); known until ``release``."""
-        return self._get(request_id).result()
+        """The request as it stands: an active one, or a finished one still retained (the
+        ``retained_results`` most recent, unless released)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            return request.result()
+        try:
+            return self._results[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"unknown request id {request_id!r}") from None
 
     def num_prompt_tokens(self, request_id: str) -> int:
         """The prompt's length in tokens (after encoding text or rendering chat messages)."""
         return len(self._get(request_id).prompt_token_ids)
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request so a long-running engine keeps bounded memory."""
-        request = self._get(request_id)
-        if not request.finished:
+        """Forget a finished request's result now (one the engine already let go of, or never
+        knew, is nothing to forget)."""
+        request = self._requests.get(request_id)
+        if request is not None and not request.finished:
             raise ValueError(f"request {request_id!r} is still active; cancel it first")
-        del self._requests[request_id]
+        self._results.pop(request_id, None)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -407,18 +444,20 @@ class Engine:
         except Exception:
             self._withdraw(ids)
             raise
-        while not all(self._requests[i].finished for i in ids):
-            self.step()
-        results = [self.result(i) for i in ids]
+        wanted = set(ids)
+        results: dict[str, Result] = {}
+        while len(results) < len(ids):
+            for event in self.step():
+                if event.result is not None and event.request_id in wanted:
+                    results[event.request_id] = event.result
         for i in ids:
             self.release(i)
-        return results
+        return [results[i] for i in ids]
 
     def _withdraw(self, request_ids: list[str]) -> None:
         """Forget requests that were submitted but not yet stepped, as if never submitted."""
         for request_id in request_ids:
-            self._finish(self._requests[request_id], FinishReason.CANCELLED)
-            del self._requests[request_id]
+            self._finish(self._requests.pop(request_id), FinishReason.CANCELLED)
 
     def close(self) -> None:
         """Cancel what is active and drop the KV tensors; events not yet handed out are dropped."""

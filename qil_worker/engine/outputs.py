@@ -20,8 +20,9 @@ class Event:
     """One step's news about one request.
 
     A token event has ``token_id`` and its ``index`` in the output. The final event of a request
-    has ``finished=True`` and a ``finish_reason``; it carries the last token when the request
-    ended by producing one, and ``token_id=None`` when it was cancelled or failed.
+    has ``finished=True``, a ``finish_reason`` and the request's ``result``; it carries the
+    last token when the request ended by producing one, and ``token_id=None`` when it was
+    cancelled or failed.
     Log-probabilities are those of the distribution the token was drawn from: after penalties
     and temperature, before top-k/top-p/min-p truncation.
     """
@@ -36,6 +37,7 @@ class Event:
     top_logprobs: list[tuple[int, float]] | None = None  # the N most likely (id, logprob)
     text: str | None = None  # new text (whole characters) when the engine has a tokenizer
     stop_reason: int | str | None = None  # on a STOP final event: the token id or stop string
+    result: "Result | None" = None  # on a final event: the request as it ended
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from qil_worker.service import protocol
+from qil_worker.service.protocol import RejectKind
 
 FIELD_METADATA_KEY = "qil-field"
 
@@ -29,17 +29,17 @@ class ServiceError(Exception):
         await context.abort(self.code, self.details, trailing_metadata=self.trailing_metadata())
 
 
-# Kinds of submit rejection the worker reports (see protocol.ERR_*) → status code.
+# Kinds of submit rejection the worker reports → status code.
 _WORKER_KIND_TO_CODE = {
-    protocol.ERR_INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    protocol.ERR_CAPACITY: grpc.StatusCode.INVALID_ARGUMENT,
-    protocol.ERR_DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
-    protocol.ERR_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-    protocol.ERR_INTERNAL: grpc.StatusCode.INTERNAL,
+    RejectKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    RejectKind.CAPACITY: grpc.StatusCode.INVALID_ARGUMENT,
+    RejectKind.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    RejectKind.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    RejectKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
 
-def classify_engine_error(exc: BaseException) -> tuple[str, str | None, str]:
+def classify_engine_error(exc: BaseException) -> tuple[RejectKind, str | None, str]:
     """Worker side: an exception from ``Engine.submit`` → ``(kind, field, message)``.
 
     Matched by class name so this module stays importable without the engine (and torch).
@@ -50,14 +50,14 @@ def classify_engine_error(exc: BaseException) -> tuple[str, str | None, str]:
     if field and message.startswith(f"{field}: "):
         message = message[len(field) + 2 :]
     if "TokenizerUnavailableError" in names:
-        return protocol.ERR_PRECONDITION, field, message
+        return RejectKind.PRECONDITION, field, message
     if "DuplicateRequestError" in names:
-        return protocol.ERR_DUPLICATE, field or "request_id", message
+        return RejectKind.DUPLICATE, field or "request_id", message
     if "CapacityError" in names:
-        return protocol.ERR_CAPACITY, field, message
+        return RejectKind.CAPACITY, field, message
     if "InvalidRequestError" in names or isinstance(exc, ValueError):
-        return protocol.ERR_INVALID, field, message
-    return protocol.ERR_INTERNAL, None, f"{type(exc).__name__}: {exc}"
+        return RejectKind.INVALID, field, message
+    return RejectKind.INTERNAL, None, f"{type(exc).__name__}: {exc}"
 
 
 def from_worker_rejection(kind: str, field: str | None, message: str) -> ServiceError:

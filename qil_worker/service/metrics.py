@@ -4,7 +4,7 @@
 (``pip install 'qil[metrics]'``). Each ``Metrics`` has its own registry, so several servers in one
 process (tests) do not collide.
 
-Sources: the worker's per-step BATCH message (running/waiting requests, page pool, step time,
+Sources: the worker's per-step ``StepBatch`` (running/waiting requests, page pool, step time,
 batch size) and each request's final record (tokens, finish reason, TTFT, ITL, queue and
 end-to-end time, preemptions); the front counts worker restarts.
 """
@@ -82,40 +82,40 @@ class Metrics:
                       buckets=LATENCY_BUCKETS)
         self.batch = H("qil_batch_size", "Requests with events in one engine step", registry=r,
                        buckets=BATCH_BUCKETS)
-        for reason in P.FINISH_CODES:
-            self.finished.labels(reason)  # export zeros from the start
+        for reason in P.FinishReason:
+            self.finished.labels(reason.label)  # export zeros from the start
 
     # -- hooks of the front ----------------------------------------------------------------
 
-    def on_stats(self, stats: tuple, num_unfinished: int) -> None:
-        total, used, free, running, waiting, cached = stats[:6]
-        self.pages_total.set(total)
-        self.pages_used.set(used)
-        self.pages_free.set(free)
-        self.pages_cached.set(cached)
-        self.running.set(running)
-        self.waiting.set(waiting)
+    def on_stats(self, stats: P.PoolStats, num_unfinished: int) -> None:
+        self.pages_total.set(stats.pages_total)
+        self.pages_used.set(stats.pages_used)
+        self.pages_free.set(stats.pages_free)
+        self.pages_cached.set(stats.pages_cached)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
         self.unfinished.set(num_unfinished)
 
-    def on_step(self, step: tuple | None) -> None:
+    def on_step(self, step: P.StepTiming | None) -> None:
         if step is None:
             return
-        seconds, batch_size = step
-        self.step.observe(seconds)
-        self.batch.observe(batch_size)
+        self.step.observe(step.seconds)
+        self.batch.observe(step.batch_size)
 
-    def on_finished(self, reason: str, prompt_tokens: int, output_tokens: int, final: tuple | None) -> None:
+    def on_finished(
+        self, reason: str, prompt_tokens: int, output_tokens: int, metrics: P.RequestMetrics | None
+    ) -> None:
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(max(prompt_tokens, 0))
         self.generation_tokens.inc(max(output_tokens, 0))
-        if final is None:
+        if metrics is None:
             return
-        queue, ttft, mean_itl, _max_itl, e2e, preemptions = final[2:8]
-        for hist, value in ((self.queue, queue), (self.ttft, ttft), (self.itl, mean_itl), (self.e2e, e2e)):
-            if value >= 0:
+        for hist, value in ((self.queue, metrics.queue_time_s), (self.ttft, metrics.ttft_s),
+                            (self.itl, metrics.mean_itl_s), (self.e2e, metrics.e2e_s)):
+            if value is not None:
                 hist.observe(value)
-        if preemptions:
-            self.preemptions.inc(preemptions)
+        if metrics.num_preemptions:
+            self.preemptions.inc(metrics.num_preemptions)
 
     def on_restart(self) -> None:
         self.restarts.inc()

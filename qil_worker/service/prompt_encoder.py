@@ -16,12 +16,14 @@ joined when the process exits, so it is not used here.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from qil_worker.service.protocol import Submit
 from qil_worker.text.prompt import encode_prompt
 
 PROMPT_OPTIONS = ("text", "messages", "enable_thinking")  # consumed by encoding
@@ -30,7 +32,7 @@ INLINE_CHARS = 16384  # prompts up to this long are tokenized in the step loop
 
 @dataclass
 class _Pending:
-    submit: tuple  # the SUBMIT message, prompt still as text or messages
+    submit: Submit  # prompt still as text or messages
     encoded: Future
     cancelled: bool = field(default=False)
 
@@ -55,15 +57,15 @@ class PromptEncoder:
             return sum(len(str(m.get("content", ""))) for m in messages) > INLINE_CHARS
         return False
 
-    def start(self, submit: tuple) -> None:
-        """Begin encoding the prompt of a SUBMIT message ``(tag, rid, None, ..., options)``."""
-        rid, options = submit[1], submit[5]
+    def start(self, submit: Submit) -> None:
+        """Begin encoding the prompt of a ``Submit`` given as text or messages."""
+        options = submit.options
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="qil-tokenize", daemon=True)
             self._thread.start()
         encoded: Future = Future()
         self._queue.put((encoded, (options.get("text"), options.get("messages"), options.get("enable_thinking"))))
-        self._pending[rid] = _Pending(submit, encoded)
+        self._pending[submit.request_id] = _Pending(submit, encoded)
 
     def _run(self) -> None:
         """The encoding thread: one prompt at a time, in submission order, until ``close``."""
@@ -93,9 +95,9 @@ class PromptEncoder:
         done, _ = wait([p.encoded for p in self._pending.values()], timeout, FIRST_COMPLETED)
         return bool(done)
 
-    def finished(self) -> list[tuple[tuple, BaseException | None, bool]]:
+    def finished(self) -> list[tuple[Submit, BaseException | None, bool]]:
         """``(submit, error, cancelled)`` for every prompt done since the last call, in
-        submission order: the SUBMIT message with the prompt as token ids (the original when
+        submission order: the ``Submit`` with the prompt as token ids (the original when
         encoding raised ``error``), and whether a cancel came meanwhile."""
         done = []
         for rid, pending in list(self._pending.items()):
@@ -105,9 +107,8 @@ class PromptEncoder:
             error = pending.encoded.exception()
             submit = pending.submit
             if error is None:
-                tag, _, _, max_new_tokens, stop_ids, options = submit
-                rest = {k: v for k, v in options.items() if k not in PROMPT_OPTIONS}
-                submit = (tag, rid, pending.encoded.result(), max_new_tokens, stop_ids, rest)
+                rest = {k: v for k, v in submit.options.items() if k not in PROMPT_OPTIONS}
+                submit = dataclasses.replace(submit, token_ids=pending.encoded.result(), options=rest)
             done.append((submit, error, pending.cancelled))
         return done
 

@@ -3,8 +3,8 @@
 Transport: a duplex ``multiprocessing.Pipe`` of a *spawn* context. Why this and not a socket,
 shared memory or a multiprocessing.Queue:
 
-* one pickled message per ``send``: framing and serialisation come for free, and the messages are
-  tuples of ints and strs, so pickling is cheap and safe (both ends are our own code);
+* one pickled message per ``send``: framing and serialisation come for free, and both ends are
+  our own code (so unpickling is safe) and ship together (so there is one shape per message);
 * ``Connection.poll(timeout)`` lets the worker *block* when idle and drain without blocking when
   busy; ``recv`` in the front's reader thread blocks too — nobody spins;
 * the end of the pipe is the liveness signal in both directions: the front sees ``EOFError`` the
@@ -13,62 +13,266 @@ shared memory or a multiprocessing.Queue:
 * a Queue would add a feeder thread per side and hide a dead peer; a raw socket would need our own
   framing for no gain at these message sizes.
 
-Bandwidth is bounded by design: the worker sends ONE message per engine step (all the events of
-that step, the answers to the submits it drained, and the page-pool numbers), never one per token.
+Front → worker: ``Submit``, ``Cancel``, ``Stop``. Worker → front: ``Ready`` (or ``Fatal``) once,
+then one ``StepBatch`` per loop iteration that ran a step or answered a submit — never one
+message per token. Every batch carries the page pool's numbers after its step, and every change
+of them comes from a submit or a step, so the front's latest batch is always current.
 
-Front → worker (tuples, first item a tag):
-
-* ``(SUBMIT, request_id, token_ids_or_None, max_new_tokens, stop_token_ids, options)`` where
-  ``options`` is a dict of further ``Engine.submit`` keyword arguments (text, messages,
-  stop_strings, sampling fields...), only those the client set
-* ``(CANCEL, request_id)``
-* ``(STATS, ticket)``  — answered in the next batch
-* ``(STOP,)``          — finish: cancel everything, close the engine, exit 0
-
-Worker → front:
-
-* ``(READY, info_dict)`` once, after the model is loaded and warmed up
-* ``(BATCH, acks, events, stats, tickets, step)`` once per loop iteration, where
-  ``acks`` is a list of ``(request_id, error, num_prompt_tokens)`` for each drained SUBMIT
-  (``error`` is None when accepted, else ``(kind, field, message)``), ``events`` a list of event
-  tuples (below), ``stats`` a tuple ``STATS_FIELDS``, ``tickets`` the STATS tickets this
-  batch answers and ``step`` ``(seconds, batch_size)`` of the ``engine.step()`` this iteration
-  ran (wall time around the call; batch size: distinct requests with events), or None.
-* ``(FATAL, message)`` the worker cannot start (bad model directory...) and exits.
-
-An event tuple is ``(request_id, token_id_or_-1, index, finish_code, error, final, text,
-logprob, top_logprobs)`` where ``finish_code`` is 0 while running, else one of ``FINISH_CODES``;
-``text`` the new text (None without a tokenizer), ``logprob`` a float or None and
-``top_logprobs`` a list of ``(token_id, logprob)`` or None; ``final`` is None for a token event,
-else ``(num_prompt_tokens, num_output_tokens, queue_time, ttft, mean_itl, max_itl, e2e,
-num_preemptions, num_cached_tokens, stop_reason)`` with -1.0 for a timing that does not exist
-and ``stop_reason`` an int (token id), a str (stop string) or None.
+This module is imported by the front and must stay torch-free: the worker maps the engine's
+events to these records (``qil_worker.engine`` imports torch on import, so the front could not
+unpickle its classes), which also keeps what crosses the pipe to what the front reads (a final
+record carries counts and metrics, never the prompt's token ids).
 """
 
 from __future__ import annotations
 
-SUBMIT = "s"
-CANCEL = "c"
-STATS = "i"
-STOP = "q"
+import enum
+import operator
+from dataclasses import dataclass, fields
+from typing import Any
 
-READY = "R"
-BATCH = "B"
-FATAL = "F"
 
-# finish codes match qil.v1.FinishReason numbers
-FINISH_CODES = {"stop": 1, "length": 2, "cancelled": 3, "error": 4}
-FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
+def message(cls: type) -> type:
+    """A frozen, slotted dataclass that pickles as ``cls(*fields)`` (unless it defines its own
+    ``__reduce__``).
 
-STATS_FIELDS = (
-    "pages_total", "pages_used", "pages_free", "num_running", "num_waiting", "pages_cached",
-    "prefix_cache_hit_rate",
-)
-EMPTY_STATS = (0, 0, 0, 0, 0, 0, 0.0)
+    The default pickling of a frozen slotted dataclass goes through ``dataclasses.fields()`` for
+    every object, several times slower than this for the small records sent every step.
+    """
+    own_reduce = "__reduce__" in cls.__dict__
+    cls = dataclass(frozen=True, slots=True)(cls)
+    names = [f.name for f in fields(cls)]
+    if own_reduce:
+        pass
+    elif not names:
+        cls.__reduce__ = lambda self: (cls, ())
+    elif len(names) == 1:
+        get_one = operator.attrgetter(names[0])
+        cls.__reduce__ = lambda self: (cls, (get_one(self),))
+    else:
+        get_all = operator.attrgetter(*names)
+        cls.__reduce__ = lambda self: (cls, get_all(self))
+    return cls
 
-# error kinds in submit acks → status codes (mapped in qil_worker.service.errors)
-ERR_INVALID = "invalid"
-ERR_CAPACITY = "capacity"
-ERR_DUPLICATE = "duplicate"
-ERR_PRECONDITION = "precondition"  # e.g. text sent to a worker without a tokenizer
-ERR_INTERNAL = "internal"
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; the numbers are those of ``qil.v1.FinishReason``."""
+
+    STOP = 1
+    LENGTH = 2
+    CANCELLED = 3
+    ERROR = 4
+
+    @property
+    def label(self) -> str:
+        """The lower-case name used in logs and metric labels (``"stop"``...)."""
+        return self.name.lower()
+
+
+class RejectKind(str, enum.Enum):
+    """Why the worker refused a submit (mapped to a status code in ``service.errors``)."""
+
+    INVALID = "invalid"
+    CAPACITY = "capacity"
+    DUPLICATE = "duplicate"
+    PRECONDITION = "precondition"  # e.g. text sent to a worker without a tokenizer
+    INTERNAL = "internal"
+
+
+# ---------------------------------------------------------------- front → worker
+
+
+@message
+class Submit:
+    """Queue a request: ``Engine.submit(token_ids, max_new_tokens, stop_token_ids, request_id,
+    **options)``; ``token_ids`` None means the prompt is ``options["text"]`` or
+    ``options["messages"]``. ``options`` holds only what the client set."""
+
+    request_id: str
+    token_ids: list[int] | None
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    options: dict[str, Any]
+
+
+@message
+class Cancel:
+    request_id: str
+
+
+@message
+class Stop:
+    """Cancel everything, close the engine, exit 0."""
+
+
+# ---------------------------------------------------------------- worker → front
+
+
+@message
+class PoolStats:
+    """The page pool and the queues, as the engine's ``stats()`` reports them."""
+
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    num_running: int
+    num_waiting: int
+    pages_cached: int
+    prefix_cache_hit_rate: float
+
+    def all_free(self) -> "PoolStats":
+        """The numbers of a worker that holds nothing (it died: its pages are gone with it)."""
+        total = self.pages_total
+        return PoolStats(total, 0, total, 0, 0, 0, self.prefix_cache_hit_rate)
+
+
+EMPTY_STATS = PoolStats(0, 0, 0, 0, 0, 0, 0.0)
+
+
+@message
+class WorkerInfo:
+    """What the worker tells once it is loaded and warm (GetInfo and the start-up log)."""
+
+    name: str
+    demo: bool
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    dtype: str
+    device: str
+    num_hidden_layers: int
+    hidden_size: int
+    has_tokenizer: bool
+    has_chat_template: bool
+    tokenizer: str | None  # its directory, None when serving token ids only
+    prefix_cache: bool
+    schedule_policy: str
+    cuda_graphs: bool
+    attention: str
+    kv_pool: str  # a human summary of the pool's size
+    memory: str  # a human summary of the memory in use
+    page_bytes: int
+    page_size: int
+    token_budget: int
+    prefill_chunk: int
+    max_active: int
+    pid: int
+    stats: PoolStats
+
+
+@message
+class Ready:
+    info: WorkerInfo
+
+
+@message
+class Fatal:
+    """The worker cannot start (bad model directory...) and exits."""
+
+    message: str
+
+
+@message
+class Rejection:
+    kind: RejectKind
+    field: str | None
+    message: str
+
+
+@message
+class Ack:
+    """The answer to one ``Submit``: accepted (``rejection`` None) or refused."""
+
+    request_id: str
+    num_prompt_tokens: int  # after encoding text or rendering messages; 0 when refused
+    rejection: Rejection | None = None
+
+
+@message
+class RequestMetrics:
+    """Timings of a finished request in seconds (None: the moment never came), as
+    ``qil.v1.RequestMetrics`` names them."""
+
+    queue_time_s: float | None
+    ttft_s: float | None
+    mean_itl_s: float | None
+    max_itl_s: float | None
+    e2e_s: float | None
+    num_preemptions: int
+
+
+@message
+class FinalRecord:
+    """How a request ended. ``metrics`` None: the worker has none (the front ended it)."""
+
+    reason: FinishReason
+    error: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    stop_reason: int | str | None  # on STOP: the token id or the stop string that ended it
+    metrics: RequestMetrics | None
+
+
+@message
+class StepTiming:
+    seconds: float  # wall time around ``engine.step()``
+    batch_size: int  # distinct requests with events in that step
+
+
+@message
+class StepBatch:
+    """Everything one loop iteration produced: the acks of the submits it drained, the events of
+    its step and the pool's numbers after it.
+
+    The events are columns, entry i of each for one event (each request has at most one per
+    step): ``token_ids[i]`` is -1 for an end that produced no token, ``texts[i]`` None without a
+    tokenizer, ``logprobs[i]`` / ``top_logprobs[i]`` None when not asked for. A request that
+    ended in this step has its ``finals`` entry. Columns pickle as a handful of lists, where a
+    record per event would cost one object per token on both sides of the pipe.
+    """
+
+    acks: list[Ack]
+    request_ids: list[str]
+    token_ids: list[int]
+    texts: list[str | None]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+    finals: dict[str, FinalRecord]
+    stats: PoolStats
+    timing: StepTiming | None  # None: the iteration ran no step (only acks)
+
+    def __reduce__(self) -> tuple:
+        # Pickled as plain values under one reconstructor: each class a pickle names costs an
+        # import lookup on both ends, several times what the values of a small batch cost.
+        return (_step_batch, (
+            [(a.request_id, a.num_prompt_tokens, None if a.rejection is None else (
+                a.rejection.kind.value, a.rejection.field, a.rejection.message)) for a in self.acks],
+            self.request_ids, self.token_ids, self.texts, self.logprobs, self.top_logprobs,
+            {rid: (int(f.reason), f.error, f.num_prompt_tokens, f.num_output_tokens,
+                   f.num_cached_tokens, f.stop_reason, None if f.metrics is None else _METRICS(f.metrics))
+             for rid, f in self.finals.items()},
+            _STATS(self.stats),
+            None if self.timing is None else (self.timing.seconds, self.timing.batch_size),
+        ))
+
+
+_METRICS = operator.attrgetter(*(f.name for f in fields(RequestMetrics)))
+_STATS = operator.attrgetter(*(f.name for f in fields(PoolStats)))
+
+
+def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list, tops: list,
+                finals: dict, stats: tuple, timing: tuple | None) -> StepBatch:
+    """``StepBatch.__reduce__`` undone."""
+    return StepBatch(
+        [Ack(rid, n, None if r is None else Rejection(RejectKind(r[0]), r[1], r[2])) for rid, n, r in acks],
+        ids, tokens, texts, logprobs, tops,
+        {rid: FinalRecord(FinishReason(f[0]), *f[1:6], None if f[6] is None else RequestMetrics(*f[6]))
+         for rid, f in finals.items()},
+        PoolStats(*stats),
+        None if timing is None else StepTiming(*timing),
+    )
+
+
+ToWorker = Submit | Cancel | Stop
+FromWorker = Ready | Fatal | StepBatch

@@ -18,7 +18,7 @@ from qil_worker.service.errors import invalid
 
 if TYPE_CHECKING:
     from qil_worker.service.front import Front
-    from qil_worker.service.request_log import Req
+    from qil_worker.service.front_request import FrontRequest
 
 
 @dataclass
@@ -67,7 +67,7 @@ def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
     return SubmitArgs(request.request_id, token_ids, max_new, list(request.stop_token_ids), options)
 
 
-async def submit_to(front: "Front", request: pb.SubmitRequest) -> "Req":
+async def submit_to(front: "Front", request: pb.SubmitRequest) -> "FrontRequest":
     """Check ``request`` and queue it through ``front``; returns once the engine accepted it."""
     args = submit_args(request)
     return await front.submit(

@@ -172,7 +172,7 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None, announce
         log.error("cannot start the server: %s", exc)
         return 2
     log.debug("front: %d start-up objects frozen for the GC", freeze_startup_heap())
-    demo = " (embedded DEMO model: random weights)" if server.front.info.get("demo") else ""
+    demo = " (embedded DEMO model: random weights)" if server.front.info and server.front.info.demo else ""
     try:
         announce(f"qil serving on {config.host}:{port}{demo}")  # (a closed stdout raises here)
         await stop.wait()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import AsyncIterator
 
 import grpc
@@ -15,10 +14,16 @@ from qil_worker.service import limits
 from qil_worker.service.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, unavailable
 from qil_worker.service.front import Front
-from qil_worker.service.request_log import Follower
+from qil_worker.service.protocol import WorkerInfo
 from qil_worker.service.requests import submit_to
 from qil_worker.service.session import StreamSession
-from qil_worker.service.streams import backlog_bound, backlog_error, build_event, stream_fell_behind
+from qil_worker.service.streams import (
+    Subscription,
+    WriteClock,
+    backlog_bound,
+    backlog_error,
+    stream_fell_behind,
+)
 
 log = logging.getLogger("qil.server")
 
@@ -56,29 +61,32 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ServiceError as err:
             await err.abort(context)
         bound = backlog_bound(self.front)
-        follower = Follower(
-            bound, None if bound is None else (lambda r: stream_fell_behind(self.front, [r.rid], bound))
+        news = asyncio.Event()
+        writes = WriteClock()
+        sub = Subscription(
+            req, 0, bound, writes,
+            on_news=lambda _: news.set(),
+            on_behind=lambda s: stream_fell_behind(self.front, [s.req.rid], bound),
         )
-        req.listeners.add(follower)
-        cursor, done = 0, False
         try:
             while True:
-                if follower.lost:
+                if sub.lost:
                     await unavailable("worker process died").abort(context)
-                if follower.exhausted:
+                if sub.exhausted:
                     await backlog_error(bound).abort(context)
-                ev, cursor, done = build_event(req, cursor)
+                ev = sub.next_event()
                 if ev is not None:
-                    follower.writing_since = time.monotonic()
+                    writes.started()
                     yield ev  # blocks while the client does not read (HTTP/2 flow control)
-                    follower.writing_since = None
-                    follower.written = cursor
-                if done:
+                    writes.done()
+                    sub.written()
+                if sub.done:
                     return
-                await follower.wait()
+                await news.wait()
+                news.clear()
         finally:
-            req.listeners.discard(follower)
-            if not done:
+            sub.close()
+            if not sub.done:
                 # client cancel, disconnect or deadline: the request must not run on
                 if self.front.cancel_nowait(req.rid):
                     log.info("Generate call ended early: cancelling", extra={"request_id": req.rid})
@@ -96,44 +104,67 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         await _reject_undecodable(request, context)
         front = self.front
-        total, used, free, running, waiting, cached, hit_rate = await front.fresh_stats()
+        stats = front.stats  # of the worker's latest batch: every change of them sends one
         info = front.info
-        eng = front.config.engine
+        model, engine_limits = _configured(front) if info is None else _described(info)
+        engine_limits.max_queued = front.config.max_queued
+        engine_limits.max_request_id_length = limits.MAX_REQUEST_ID_LENGTH
         return pb.GetInfoResponse(
-            model=pb.ModelInfo(
-                name=str(info.get("name", front.config.model or "demo")),
-                demo=bool(info.get("demo", not front.config.model)),
-                vocab_size=info.get("vocab_size", 0),
-                max_position_embeddings=info.get("max_position_embeddings", 0),
-                eos_token_ids=info.get("eos_token_ids", []),
-                dtype=info.get("dtype", ""),
-                device=info.get("device", front.config.device),
-                num_hidden_layers=info.get("num_hidden_layers", 0),
-                hidden_size=info.get("hidden_size", 0),
-                has_tokenizer=bool(info.get("has_tokenizer")),
-                has_chat_template=bool(info.get("has_chat_template")),
-            ),
-            limits=pb.EngineLimits(
-                page_size=info.get("page_size", eng.get("page_size", 0)),
-                token_budget=info.get("token_budget", eng.get("token_budget", 0)),
-                prefill_chunk=info.get("prefill_chunk", eng.get("prefill_chunk", 0)),
-                max_active=info.get("max_active", eng.get("max_active", 0)),
-                max_queued=front.config.max_queued,
-                max_request_id_length=limits.MAX_REQUEST_ID_LENGTH,
-                schedule_policy=info.get("schedule_policy", eng.get("schedule_policy", "")),
-                attention_backend=info.get("attention", ""),
-                cuda_graphs=bool(info.get("cuda_graphs")),
-            ),
+            model=model,
+            limits=engine_limits,
             pages=pb.PagePool(
-                total=total, used=used, free=free, cached=cached, page_bytes=info.get("page_bytes", 0)
+                total=stats.pages_total, used=stats.pages_used, free=stats.pages_free,
+                cached=stats.pages_cached, page_bytes=info.page_bytes if info is not None else 0,
             ),
-            num_running=running,
-            num_waiting=waiting,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
             worker=pb.WorkerInfo(state=int(front.state), restarts=front.restarts, pid=front.worker_pid),
             server_version=SERVER_VERSION,
             num_unfinished=front.num_unfinished,
             num_requests_total=front.num_requests_total,
             prefix_cache=pb.PrefixCacheInfo(
-                enabled=bool(info.get("prefix_cache")), hit_rate=float(hit_rate)
+                enabled=info is not None and info.prefix_cache, hit_rate=stats.prefix_cache_hit_rate
             ),
         )
+
+
+def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:
+    """The model and the engine's limits as the worker reported them."""
+    model = pb.ModelInfo(
+        name=info.name,
+        demo=info.demo,
+        vocab_size=info.vocab_size,
+        max_position_embeddings=info.max_position_embeddings,
+        eos_token_ids=info.eos_token_ids,
+        dtype=info.dtype,
+        device=info.device,
+        num_hidden_layers=info.num_hidden_layers,
+        hidden_size=info.hidden_size,
+        has_tokenizer=info.has_tokenizer,
+        has_chat_template=info.has_chat_template,
+    )
+    engine_limits = pb.EngineLimits(
+        page_size=info.page_size,
+        token_budget=info.token_budget,
+        prefill_chunk=info.prefill_chunk,
+        max_active=info.max_active,
+        schedule_policy=info.schedule_policy,
+        attention_backend=info.attention,
+        cuda_graphs=info.cuda_graphs,
+    )
+    return model, engine_limits
+
+
+def _configured(front: Front) -> tuple[pb.ModelInfo, pb.EngineLimits]:
+    """Before any worker was ready (the model still loads): what the configuration says."""
+    cfg = front.config
+    eng = cfg.engine
+    model = pb.ModelInfo(name=cfg.model or "demo", demo=not cfg.model, device=cfg.device)
+    engine_limits = pb.EngineLimits(
+        page_size=eng.get("page_size") or 0,
+        token_budget=eng.get("token_budget") or 0,
+        prefill_chunk=eng.get("prefill_chunk") or 0,
+        max_active=eng.get("max_active") or 0,
+        schedule_policy=eng.get("schedule_policy") or "",
+    )
+    return model, engine_limits

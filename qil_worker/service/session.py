@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from typing import AsyncIterator
 
 import grpc
@@ -16,12 +15,13 @@ from qil_worker.service import limits
 from qil_worker.service.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, not_found, unavailable
 from qil_worker.service.front import Front
-from qil_worker.service.request_log import Req
+from qil_worker.service.front_request import FrontRequest
 from qil_worker.service.requests import submit_to
 from qil_worker.service.streams import (
+    Subscription,
+    WriteClock,
     backlog_bound,
     backlog_error,
-    build_event,
     past_the_end,
     stream_fell_behind,
 )
@@ -33,55 +33,47 @@ class StreamSession:
     def __init__(self, front: Front) -> None:
         self.front = front
         self.max_backlog = backlog_bound(front)
-        self.writing_since: float | None = None  # monotonic time the pending write started
+        self.writes = WriteClock()  # one HTTP/2 stream: all subscriptions share its writes
         # keyed by the request object, not its id: a finished request and a new one that reuses
         # its id are different streams
-        self.subs: dict[Req, int] = {}  # req -> cursor
-        self.dirty: dict[Req, None] = {}  # requests with news, in arrival order
+        self.subs: dict[FrontRequest, Subscription] = {}
+        self.dirty: dict[Subscription, None] = {}  # subscriptions with news, in arrival order
         self.control: collections.deque = collections.deque()  # futures of answers, in order
         self.slots = asyncio.Semaphore(limits.MAX_PENDING_FRAMES)
         self.wakeup = asyncio.Event()
-        self.owned: set[Req] = set()  # submitted on this session
+        self.owned: set[FrontRequest] = set()  # submitted on this session
         self.half_closed = False
         self.fault: ServiceError | None = None
         self.tasks: set[asyncio.Task] = set()
 
-    # listener interface (see request_log.Follower)
-    def wake(self, req: Req) -> None:
-        cursor = self.subs.get(req)
-        if cursor is not None:
-            self.dirty[req] = None
-            bound = self.max_backlog
-            if (
-                bound is not None
-                and self.fault is None
-                and req.final is None
-                and len(req.tokens) - cursor > bound
-                and self.writing_since is not None
-                and time.monotonic() - self.writing_since >= limits.STREAM_STALL_S
-            ):
-                # the client stopped reading: gRPC flow control holds our writes while the
-                # worker goes on producing; end the stream and free the pages of the requests
-                # it submitted (a request it only subscribed to belongs to someone else)
-                self.fault = backlog_error(bound)
-                stream_fell_behind(self.front, self._live_owned(), bound, req.rid)
-            self.wakeup.set()
-
-    def worker_lost(self, req: Req) -> None:
-        self.fault = unavailable("worker process died")
+    # callbacks of the subscriptions
+    def _news(self, sub: Subscription) -> None:
+        if sub.lost:
+            self.fault = unavailable("worker process died")
+        self.dirty[sub] = None
         self.wakeup.set()
 
-    def _add_sub(self, req: Req, cursor: int) -> None:
+    def _behind(self, sub: Subscription) -> None:
+        if self.fault is None:
+            # the client stopped reading: gRPC flow control holds our writes while the worker
+            # goes on producing; end the stream and free the pages of the requests it
+            # submitted (a request it only subscribed to belongs to someone else)
+            bound = self.max_backlog
+            assert bound is not None
+            self.fault = backlog_error(bound)
+            stream_fell_behind(self.front, self._live_owned(), bound, sub.req.rid)
+
+    def _add_sub(self, req: FrontRequest, cursor: int) -> None:
         if req in self.subs:
             return
-        self.subs[req] = cursor
-        req.listeners.add(self)
-        self.dirty[req] = None
+        sub = Subscription(req, cursor, self.max_backlog, self.writes, self._news, self._behind)
+        self.subs[req] = sub
+        self.dirty[sub] = None
 
-    def _drop_sub(self, req: Req) -> None:
-        del self.subs[req]
-        self.owned.discard(req)
-        req.listeners.discard(self)
+    def _drop_sub(self, sub: Subscription) -> None:
+        del self.subs[sub.req]
+        self.owned.discard(sub.req)
+        sub.close()
 
     def _live_owned(self) -> list[str]:
         """Ids of the unfinished requests this session submitted (safe to cancel by id)."""
@@ -163,9 +155,9 @@ class StreamSession:
                 self.slots.release()
                 resp, action = task.result()
                 if resp is not None:
-                    self.writing_since = time.monotonic()
+                    self.writes.started()
                     yield resp
-                    self.writing_since = None
+                    self.writes.done()
                 if action is not None:
                     action()
             if self.fault is not None:
@@ -173,34 +165,35 @@ class StreamSession:
             while self.dirty:
                 if self.fault is not None:
                     await self.fault.abort(context)
-                req = next(iter(self.dirty))
-                del self.dirty[req]
-                cursor = self.subs.get(req)
-                if cursor is None:
-                    continue
+                sub = next(iter(self.dirty))
+                del self.dirty[sub]
+                if self.subs.get(sub.req) is not sub:
+                    continue  # dropped meanwhile
+                req = sub.req
                 # (a request lost with the worker while subscribed faulted the session above;
                 # subscribed later, it gets its tokens and the final ERROR event, like any end)
-                if cursor > len(req.tokens):
+                if sub.cursor > len(req.tokens):
                     if req.final is None:
                         continue  # subscribed ahead of the output; wait for more
                     # it ended before reaching the cursor: as a subscription after its end
-                    self._drop_sub(req)
-                    yield self._error(req.rid, past_the_end(req, cursor))
+                    self._drop_sub(sub)
+                    yield self._error(req.rid, past_the_end(req, sub.cursor))
                     continue
-                ev, self.subs[req], done = build_event(req, cursor)
-                if done:
-                    self._drop_sub(req)
+                ev = sub.next_event()
+                if sub.done:
+                    self._drop_sub(sub)
                 if ev is not None:
-                    self.writing_since = time.monotonic()
+                    self.writes.started()
                     yield pb.StreamEventsResponse(event=ev)
-                    self.writing_since = None
+                    self.writes.done()
+                    sub.written()
             if self.half_closed and not self.control and not self.subs:
                 return
 
     def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()
-        for req in self.subs:
-            req.listeners.discard(self)
+        for sub in self.subs.values():
+            sub.close()
         for rid in self._live_owned():
             self.front.cancel_nowait(rid)

@@ -1,34 +1,38 @@
-"""What the streaming calls (Generate, StreamEvents) share: the event that takes a reader from
-its cursor to the end of a request's log, and the bound on how far a reader may fall behind."""
+"""What the streaming calls (Generate, StreamEvents) share: a ``Subscription`` to a request's log,
+which builds the event that takes its reader from its cursor to the end of the log and owns the
+rule on how far a reader may fall behind."""
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import TYPE_CHECKING, Callable
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
+from qil_worker.service import limits
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted
-from qil_worker.service.front import Front
-from qil_worker.service.request_log import Req
+from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.protocol import RequestMetrics
+
+if TYPE_CHECKING:
+    from qil_worker.service.front import Front
 
 log = logging.getLogger("qil.server")
 
 
-def request_metrics(final: tuple | None) -> pb.RequestMetrics | None:
-    if final is None:
-        return None
-    queue, ttft, mean_itl, max_itl, e2e, preempt = final[2:8]
+def request_metrics(metrics: RequestMetrics) -> pb.RequestMetrics:
     return pb.RequestMetrics(
-        queue_time_s=max(queue, 0.0),
-        ttft_s=max(ttft, 0.0),
-        mean_itl_s=max(mean_itl, 0.0),
-        max_itl_s=max(max_itl, 0.0),
-        e2e_s=max(e2e, 0.0),
-        num_preemptions=preempt,
+        queue_time_s=metrics.queue_time_s or 0.0,
+        ttft_s=metrics.ttft_s or 0.0,
+        mean_itl_s=metrics.mean_itl_s or 0.0,
+        max_itl_s=metrics.max_itl_s or 0.0,
+        e2e_s=metrics.e2e_s or 0.0,
+        num_preemptions=metrics.num_preemptions,
     )
 
 
-def build_event(req: Req, cursor: int) -> tuple[pb.Event | None, int, bool]:
-    """The event that takes a follower from ``cursor`` to the end of ``req``'s log.
+def build_event(req: FrontRequest, cursor: int) -> tuple[pb.Event | None, int, bool]:
+    """The event that takes a reader from ``cursor`` to the end of ``req``'s log.
 
     Returns ``(event or None, new cursor, done)``. All tokens produced since the cursor go into
     one event: that is the coalescing for readers slower than the worker.
@@ -48,31 +52,113 @@ def build_event(req: Req, cursor: int) -> tuple[pb.Event | None, int, bool]:
                 pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top
             )
     if final is not None:
-        code, error, record = final
         ev.finished = True
-        ev.finish_reason = code
-        if error:
-            ev.error = error
+        ev.finish_reason = final.reason
+        if final.error:
+            ev.error = final.error
         ev.num_prompt_tokens = req.prompt_len
         ev.num_output_tokens = n
-        metrics = request_metrics(record)
-        if metrics is not None:
-            ev.metrics.CopyFrom(metrics)
-        if record is not None and len(record) >= 10:
-            ev.num_cached_tokens = record[8]
-            stop = record[9]
-            if isinstance(stop, str):
-                ev.stop_string = stop
-            elif stop is not None:
-                ev.stop_token_id = stop
+        if final.metrics is not None:
+            ev.metrics.CopyFrom(request_metrics(final.metrics))
+        ev.num_cached_tokens = final.num_cached_tokens
+        stop = final.stop_reason
+        if isinstance(stop, str):
+            ev.stop_string = stop
+        elif stop is not None:
+            ev.stop_token_id = stop
     return ev, n, final is not None
 
 
-def past_the_end(req: Req, from_seq: int) -> ServiceError:
+def past_the_end(req: FrontRequest, from_seq: int) -> ServiceError:
     return invalid("from_seq", f"{from_seq} is past the end ({len(req.tokens)})")
 
 
-def backlog_bound(front: Front) -> int | None:
+class WriteClock:
+    """When the write in flight on one gRPC stream began (None: none is). A write that stays
+    pending means HTTP/2 flow control holds it: the client stopped reading."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def started(self) -> None:
+        self.since = time.monotonic()
+
+    def done(self) -> None:
+        self.since = None
+
+    def stalled(self) -> bool:
+        return self.since is not None and time.monotonic() - self.since >= limits.STREAM_STALL_S
+
+
+class Subscription:
+    """A reader of one request's log: a cursor, what of it was written, and a backlog bound.
+
+    ``next_event()`` takes the cursor to the end of the log; ``written()`` records that the
+    event went out. When the request has produced more than ``max_backlog`` tokens past what
+    was written while the stream's write has been pending for ``limits.STREAM_STALL_S``,
+    ``on_behind(self)`` is called once and ``exhausted`` is set. A reader that is merely waiting
+    for news is never behind: its next event takes everything at once, and the stall time keeps
+    a reader that is only briefly slow (a busy host) from being cut off. ``on_news(self)`` is
+    called on every change of the request, ``lost`` set when the worker died with it.
+    """
+
+    __slots__ = (
+        "req", "cursor", "done", "lost", "exhausted", "_written", "_max_backlog", "_writes",
+        "_on_news", "_on_behind",
+    )
+
+    def __init__(
+        self,
+        req: FrontRequest,
+        cursor: int,
+        max_backlog: int | None,
+        writes: WriteClock,
+        on_news: Callable[["Subscription"], None],
+        on_behind: Callable[["Subscription"], None],
+    ) -> None:
+        self.req = req
+        self.cursor = cursor
+        self.done = False  # the final event was built
+        self.lost = False
+        self.exhausted = False
+        self._written = cursor
+        self._max_backlog = max_backlog
+        self._writes = writes
+        self._on_news = on_news
+        self._on_behind = on_behind
+        req.listen(self)
+
+    def close(self) -> None:
+        self.req.unlisten(self)
+
+    def next_event(self) -> pb.Event | None:
+        ev, self.cursor, self.done = build_event(self.req, self.cursor)
+        return ev
+
+    def written(self) -> None:
+        self._written = self.cursor
+
+    def request_changed(self, req: FrontRequest) -> None:
+        bound = self._max_backlog
+        if (
+            bound is not None
+            and not self.exhausted
+            and req.final is None
+            and len(req.tokens) - self._written > bound
+            and self._writes.stalled()
+        ):
+            self.exhausted = True
+            self._on_behind(self)
+        self._on_news(self)
+
+    def request_lost(self, req: FrontRequest) -> None:
+        self.lost = True
+        self._on_news(self)
+
+
+def backlog_bound(front: "Front") -> int | None:
     bound = front.config.max_stream_backlog
     return bound if bound and bound > 0 else None
 
@@ -83,7 +169,7 @@ def backlog_error(bound: int) -> ServiceError:
     )
 
 
-def stream_fell_behind(front: Front, rids: list[str], bound: int, behind: str = "") -> None:
+def stream_fell_behind(front: "Front", rids: list[str], bound: int, behind: str = "") -> None:
     if not rids:
         log.warning(
             "stream reader more than %d tokens behind: ending the stream", bound,

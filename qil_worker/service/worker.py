@@ -5,8 +5,9 @@ asyncio loop and gRPC threads that must not be copied). Torch is imported here, 
 ``worker_main``, so that importing this module in the front stays torch-free.
 
 Loop: block on the pipe while the engine is idle; otherwise drain every pending message (submits,
-cancels, stats requests) without blocking, run one ``engine.step()``, and send ONE ``BATCH``
-message with everything that step produced. See ``protocol`` for the messages and the transport.
+cancels) without blocking, run one ``engine.step()``, and send ONE ``StepBatch`` with everything
+that step produced. The engine finishes its own requests (their final events carry the results),
+so the loop only maps events to records. See ``protocol`` for the messages and the transport.
 
 Waking from idle, the worker keeps reading while messages follow each other closely
 (``BURST_GAP_S``, at most ``BURST_WINDOW_S``): clients that submit a burst — a closed loop
@@ -23,7 +24,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 from typing import Any
 
 from qil_worker.service import protocol as P
@@ -64,12 +64,12 @@ def worker_main(conn: Any, config: dict[str, Any]) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the front, then exit
         log.error("worker failed to start: %s", exc)
         try:
-            conn.send((P.FATAL, f"{type(exc).__name__}: {exc}"))
+            conn.send(P.Fatal(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
         sys.exit(3)
     try:
-        conn.send((P.READY, info))
+        conn.send(P.Ready(info))
         code = _serve(conn, engine, parent_pid)
     except (EOFError, OSError):
         log.warning("front went away; worker exits")
@@ -119,46 +119,46 @@ def _load(config: dict[str, Any]):
         warmup_tokens=int(engine_kw.get("token_budget", 512)),
         reserved_pages=Engine.scratch_pages(model, engine_kw.get("cuda_graphs"), engine_kw.get("debug", False)),
     )
-    engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, **engine_kw)
+    # retained_results=0: results reach the front in the final events, none is read back
+    engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, retained_results=0, **engine_kw)
     _warm_up(engine, cfg.vocab_size)
     _install_forward_fault(model, os.environ.get(FAULT_FORWARD_ENV))
     frozen = freeze_startup_heap()
     stats = engine.stats()
-    info = {
-        "name": "demo" if demo else str(model_dir),
-        "demo": demo,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "eos_token_ids": list(cfg.eos_token_ids),
-        "dtype": str(getattr(model, "dtype", cfg.torch_dtype)).replace("torch.", ""),
-        "device": str(getattr(model, "device", config.get("device", "cpu"))),
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "has_tokenizer": tokenizer is not None,
-        "has_chat_template": bool(getattr(tokenizer, "chat_template", None)),
-        "tokenizer": tokenizer_dir,
-        "prefix_cache": engine.prefix_cache is not None,
-        "schedule_policy": stats.schedule_policy,
-        "cuda_graphs": engine.decode_graphs is not None,
-        "attention": engine.attention_backend,
-        "kv_pool": pool.summary(),
-        "page_bytes": pool.page_bytes,
-        "page_size": stats.page_size,
-        "token_budget": stats.token_budget,
-        "prefill_chunk": stats.prefill_chunk,
-        "max_active": stats.max_active,
-        "pid": os.getpid(),
-        "stats": _stats(engine),
-    }
-    memory = _memory_summary(model, pool)
-    info["memory"] = memory
+    info = P.WorkerInfo(
+        name="demo" if demo else str(model_dir),
+        demo=demo,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        eos_token_ids=list(cfg.eos_token_ids),
+        dtype=str(getattr(model, "dtype", cfg.torch_dtype)).replace("torch.", ""),
+        device=str(getattr(model, "device", config.get("device", "cpu"))),
+        num_hidden_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        has_tokenizer=tokenizer is not None,
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        tokenizer=tokenizer_dir,
+        prefix_cache=engine.prefix_cache is not None,
+        schedule_policy=stats.schedule_policy,
+        cuda_graphs=engine.decode_graphs is not None,
+        attention=engine.attention_backend,
+        kv_pool=pool.summary(),
+        memory=_memory_summary(model, pool),
+        page_bytes=pool.page_bytes,
+        page_size=stats.page_size,
+        token_budget=stats.token_budget,
+        prefill_chunk=stats.prefill_chunk,
+        max_active=stats.max_active,
+        pid=os.getpid(),
+        stats=pool_stats(engine),
+    )
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
         "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
         "%d start-up objects frozen for the GC",
-        info["name"], time.perf_counter() - t0, info["dtype"], info["device"], pool.num_pages,
-        pool.summary(), memory, tokenizer_dir or "none", "on" if info["prefix_cache"] else "off",
-        info["schedule_policy"], info["attention"], "on" if info["cuda_graphs"] else "off", frozen,
+        info.name, time.perf_counter() - t0, info.dtype, info.device, pool.num_pages,
+        info.kv_pool, info.memory, tokenizer_dir or "none", "on" if info.prefix_cache else "off",
+        info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off", frozen,
     )
     return engine, info
 
@@ -263,40 +263,76 @@ def _load_tokenizer(config: dict[str, Any], model_dir: str, vocab_size: int) -> 
 
 def _warm_up(engine: Any, vocab_size: int) -> None:
     """One tiny request end to end, so the first real request does not pay for lazy init."""
-    rid = engine.submit([i % vocab_size for i in range(4)], max_new_tokens=2, request_id="__qil_warmup__")
+    engine.submit([i % vocab_size for i in range(4)], max_new_tokens=2, request_id="__qil_warmup__")
     while not engine.idle:
         engine.step()
-    engine.release(rid)
 
 
-def _stats(engine: Any) -> tuple[int, ...]:
+def pool_stats(engine: Any) -> P.PoolStats:
     s = engine.stats()
-    return (
+    return P.PoolStats(
         s.num_pages_total, s.num_pages_used, s.num_pages_free, s.num_running, s.num_waiting,
         s.num_pages_cached, float(s.prefix_cache_hit_rate),
     )
 
 
-def _opt(value: float | None) -> float:
-    return -1.0 if value is None else float(value)
-
-
-def _submit(engine: Any, msg: tuple, error: BaseException | None = None) -> tuple:
-    """Queue a SUBMIT in the engine → its ack ``(rid, error or None, prompt tokens)``."""
-    _, rid, token_ids, max_new_tokens, stop_ids, options = msg
+def submit(engine: Any, msg: P.Submit, error: BaseException | None = None) -> P.Ack:
+    """Queue a ``Submit`` in the engine (``error``: why its prompt could not be encoded)."""
     try:
-        if error is not None:  # its prompt could not be encoded
+        if error is not None:
             raise error
         engine.submit(
-            token_ids,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=list(stop_ids) or None,
-            request_id=rid,
-            **options,
+            msg.token_ids,
+            max_new_tokens=msg.max_new_tokens,
+            stop_token_ids=msg.stop_token_ids or None,
+            request_id=msg.request_id,
+            **msg.options,
         )
-        return (rid, None, engine.num_prompt_tokens(rid))
+        return P.Ack(msg.request_id, engine.num_prompt_tokens(msg.request_id))
     except Exception as exc:  # noqa: BLE001 - rejected in-band, the worker goes on
-        return (rid, classify_engine_error(exc), 0)
+        return P.Ack(msg.request_id, 0, P.Rejection(*classify_engine_error(exc)))
+
+
+def final_record(result: Any) -> P.FinalRecord:
+    """An engine ``Result`` of a finished request → what the front keeps of it."""
+    reason = P.FinishReason[result.finish_reason.name]  # the same names on both sides
+    return P.FinalRecord(
+        reason=reason,
+        error=result.error,
+        num_prompt_tokens=len(result.prompt_token_ids),
+        num_output_tokens=len(result.output_token_ids),
+        num_cached_tokens=int(result.num_cached_tokens),
+        stop_reason=result.stop_reason if reason is P.FinishReason.STOP else None,
+        metrics=P.RequestMetrics(
+            queue_time_s=result.queue_time,
+            ttft_s=result.ttft,
+            mean_itl_s=result.mean_inter_token_latency,
+            max_itl_s=result.max_inter_token_latency,
+            e2e_s=result.completion_time,
+            num_preemptions=int(result.num_preemptions),
+        ),
+    )
+
+
+def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.StepTiming | None) -> P.StepBatch:
+    """One loop iteration's acks and engine events → the batch the front gets."""
+    finals = {}
+    for ev in events:
+        if ev.result is not None:
+            if ev.error:
+                log.warning("request failed: %s", ev.error, extra={"request_id": ev.request_id})
+            finals[ev.request_id] = final_record(ev.result)
+    return P.StepBatch(
+        acks=acks,
+        request_ids=[ev.request_id for ev in events],
+        token_ids=[-1 if ev.token_id is None else ev.token_id for ev in events],
+        texts=[ev.text for ev in events],
+        logprobs=[ev.logprob for ev in events],
+        top_logprobs=[ev.top_logprobs for ev in events],
+        finals=finals,
+        stats=stats,
+        timing=timing,
+    )
 
 
 def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
@@ -307,94 +343,60 @@ def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
         encoder.close()
 
 
+def _wait_for_work(conn: Any, parent_pid: int, encoder: PromptEncoder) -> bool:
+    """Block (no spinning) until the front sends something or a prompt is encoded; False when
+    the front is gone (EOF on the pipe is the main signal, the parent check the fallback)."""
+    while not conn.poll(0.0 if encoder.busy else PARENT_CHECK_S):
+        if encoder.busy and encoder.wait(ENCODING_POLL_S):
+            return True
+        if os.getppid() != parent_pid:
+            log.warning("front process %d is gone; worker exits", parent_pid)
+            return False
+    return True
+
+
+def _drain(conn: Any, engine: Any, encoder: PromptEncoder, burst_until: float) -> list[P.Ack] | None:
+    """Take every pending message (and, waking from idle, those of a burst until
+    ``burst_until``) so submits and cancels take effect before the step; None on ``Stop``."""
+    acks: list[P.Ack] = []
+    while conn.poll(min(BURST_GAP_S, max(0.0, burst_until - time.monotonic()))):
+        msg = conn.recv()
+        if isinstance(msg, P.Submit):
+            if encoder.takes(msg.options):
+                encoder.start(msg)  # acknowledged once encoded (``encoder.finished``)
+            else:
+                acks.append(submit(engine, msg))
+        elif isinstance(msg, P.Cancel):
+            if not encoder.cancel(msg.request_id):
+                engine.cancel(msg.request_id)
+        elif isinstance(msg, P.Stop):
+            return None
+    for msg, error, cancelled in encoder.finished():
+        acks.append(submit(engine, msg, error))
+        if cancelled:
+            engine.cancel(msg.request_id)
+    return acks
+
+
 def _loop(conn: Any, engine: Any, parent_pid: int, encoder: PromptEncoder) -> int:
-    finish_codes = P.FINISH_CODES
-    stop_code = finish_codes["stop"]
     while True:
         burst_until = 0.0
         if engine.idle:
-            # Block (no spinning) until the front sends something or a prompt is encoded; check
-            # now and then that the front still exists (EOF on the pipe is the main signal).
-            while not conn.poll(0.0 if encoder.busy else PARENT_CHECK_S):
-                if encoder.busy and encoder.wait(ENCODING_POLL_S):
-                    break
-                if os.getppid() != parent_pid:
-                    log.warning("front process %d is gone; worker exits", parent_pid)
-                    return 0
-            burst_until = time.monotonic() + BURST_WINDOW_S
-        acks: list = []
-        tickets: list = []
-        # Drain everything pending before the step, so submits and cancels take effect at once.
-        while conn.poll(min(BURST_GAP_S, max(0.0, burst_until - time.monotonic()))):
-            msg = conn.recv()
-            tag = msg[0]
-            if tag == P.SUBMIT:
-                if encoder.takes(msg[5]):
-                    encoder.start(msg)  # acknowledged once encoded (``encoder.finished``)
-                else:
-                    acks.append(_submit(engine, msg))
-            elif tag == P.CANCEL:
-                if not encoder.cancel(msg[1]):
-                    engine.cancel(msg[1])
-            elif tag == P.STATS:
-                tickets.append(msg[1])
-            elif tag == P.STOP:
+            if not _wait_for_work(conn, parent_pid, encoder):
                 return 0
-        for msg, error, cancelled in encoder.finished():
-            acks.append(_submit(engine, msg, error))
-            if cancelled:
-                engine.cancel(msg[1])
-        events = []
-        step_info = None
+            burst_until = time.monotonic() + BURST_WINDOW_S
+        acks = _drain(conn, engine, encoder, burst_until)
+        if acks is None:
+            return 0
+        events: list = []
+        timing = None
         if not engine.idle:
             t0 = time.perf_counter()
-            step_events = engine.step()
-            step_info = (time.perf_counter() - t0, len({ev.request_id for ev in step_events}))
-            for ev in step_events:
-                final = None
-                code = 0
-                if ev.finished:
-                    code = finish_codes.get(getattr(ev.finish_reason, "value", ev.finish_reason), 4)
-                    if ev.error:
-                        log.warning("request failed: %s", ev.error, extra={"request_id": ev.request_id})
-                    try:
-                        r = engine.result(ev.request_id)
-                        final = (
-                            len(r.prompt_token_ids),
-                            len(r.output_token_ids),
-                            _opt(r.queue_time),
-                            _opt(r.ttft),
-                            _opt(r.mean_inter_token_latency),
-                            _opt(r.max_inter_token_latency),
-                            _opt(r.completion_time),
-                            int(r.num_preemptions),
-                            int(r.num_cached_tokens),
-                            r.stop_reason if code == stop_code else None,
-                        )
-                        engine.release(ev.request_id)
-                    except Exception:  # noqa: BLE001 - metrics are best effort
-                        log.debug(
-                            "no result: %s", traceback.format_exc(), extra={"request_id": ev.request_id}
-                        )
-                        final = (
-                            0, ev.index + (ev.token_id is not None), -1.0, -1.0, -1.0, -1.0, -1.0,
-                            0, 0, ev.stop_reason if code == stop_code else None,
-                        )
-                events.append(
-                    (
-                        ev.request_id,
-                        -1 if ev.token_id is None else int(ev.token_id),
-                        ev.index,
-                        code,
-                        ev.error,
-                        final,
-                        ev.text,
-                        ev.logprob,
-                        ev.top_logprobs,
-                    )
-                )
-        if acks or events or tickets:
-            conn.send((P.BATCH, acks, events, _stats(engine), tickets, step_info))
+            events = engine.step()
+            timing = P.StepTiming(time.perf_counter() - t0, len({ev.request_id for ev in events}))
+        if acks or timing is not None:
+            # (a step without events, a prompt chunk, still changes the pool's numbers)
+            conn.send(step_batch(acks, events, pool_stats(engine), timing))
         if engine.device_failure is not None:
             # every later step would fail too: exit, and the front starts a fresh worker
             log.error("the device is unusable (%s); the worker exits to be restarted", engine.device_failure)

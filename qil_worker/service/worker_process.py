@@ -54,7 +54,6 @@ class WorkerProcess:
         self.pid: int = proc.pid
         self.conn = conn
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.info: dict[str, Any] | None = None
         self.ready_at: float | None = None  # monotonic time it reported ready (None: never)
         self._reap_lock = threading.Lock()  # a restart and a shutdown may both reap it
         self._reaped = False
@@ -93,7 +92,7 @@ class WorkerProcess:
         is not part of a crash loop)."""
         return self.ready_at is not None and time.monotonic() - self.ready_at >= seconds
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: P.ToWorker) -> None:
         self.outbox.put(msg)
 
     def close_outbox(self) -> None:
@@ -108,7 +107,7 @@ class WorkerProcess:
 
     def stop(self, timeout: float) -> int | None:
         """Blocking (run it in an executor): ask the worker to stop, then ``reap`` it."""
-        self.send((P.STOP,))
+        self.send(P.Stop())
         return self.reap(timeout)
 
     def reap(self, timeout: float) -> int | None:

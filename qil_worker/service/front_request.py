@@ -1,0 +1,152 @@
+"""The front's view of one request (``FrontRequest``; the engine's ``Request`` is the worker's),
+and how long finished ones stay for late subscribers (``Retention``).
+
+A request's log is its list of output tokens plus, once over, its final record. Whoever follows
+it registers a ``Listener`` and keeps only a cursor into the log (``streams.Subscription``), so a
+slow reader costs no memory beyond the log itself (bounded by max_new_tokens). The request
+notifies its listeners whenever it changes; nothing else changes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Protocol
+
+from qil_worker.service.protocol import FinalRecord, FinishReason
+
+
+class Listener(Protocol):
+    def request_changed(self, req: "FrontRequest") -> None:
+        """New output, or the end."""
+
+    def request_lost(self, req: "FrontRequest") -> None:
+        """It ended because the worker died."""
+
+
+class FrontRequest:
+    """One request as the front sees it: its output so far and, once over, its final record.
+
+    Per output token i: ``tokens[i]``, and when the worker sends them ``texts[i]`` (the text
+    delta that token released), ``logprobs[i]`` and ``top[i]``. Parallel lists, so a reader
+    starting at any cursor gets aligned slices.
+    """
+
+    __slots__ = (
+        "rid", "prompt_len", "tokens", "texts", "logprobs", "top", "final_text", "final", "lost",
+        "_listeners",
+    )
+
+    def __init__(self, rid: str, prompt_len: int) -> None:
+        self.rid = rid
+        self.prompt_len = prompt_len  # the worker's count once it accepted the prompt
+        self.tokens: list[int] = []
+        self.texts: list[str] | None = None  # None: the worker has no tokenizer
+        self.logprobs: list[float] | None = None  # None: not asked for
+        self.top: list[list[tuple[int, float]]] | None = None
+        self.final_text = ""  # text released by the end itself (no token of its own)
+        self.final: FinalRecord | None = None  # how it ended, once it has
+        self.lost = False  # ended because the worker died
+        self._listeners: set[Listener] = set()
+
+    def listen(self, listener: Listener) -> None:
+        self._listeners.add(listener)
+
+    def unlisten(self, listener: Listener) -> None:
+        self._listeners.discard(listener)
+
+    def append(
+        self, token: int, text: str | None, logprob: float | None, top: list | None,
+        final: FinalRecord | None = None,
+    ) -> None:
+        """One event of the worker: a token (``token >= 0``) or the end's own text, and the
+        final record when the request ended with it."""
+        if text is not None and self.texts is None:
+            self.texts = [""] * len(self.tokens)
+        if token < 0:
+            if text:
+                self.final_text += text
+        else:
+            self.tokens.append(token)
+            if self.texts is not None:
+                self.texts.append(text or "")
+            if logprob is not None:
+                if self.logprobs is None:
+                    self.logprobs = [0.0] * (len(self.tokens) - 1)
+                self.logprobs.append(logprob)
+            if top is not None:
+                if self.top is None:
+                    self.top = [[] for _ in range(len(self.tokens) - 1)]
+                self.top.append(top)
+        if final is not None:
+            self.final = final
+        for listener in list(self._listeners):
+            listener.request_changed(self)
+
+    def fail(self, error: str) -> None:
+        """End it here, in the front, with an error (the worker refused it)."""
+        self.final = self._error_record(error)
+        for listener in list(self._listeners):
+            listener.request_changed(self)
+
+    def lose(self, error: str) -> None:
+        """End it because the worker died."""
+        self.lost = True
+        self.final = self._error_record(error)
+        for listener in list(self._listeners):
+            listener.request_lost(self)
+
+    def _error_record(self, error: str) -> FinalRecord:
+        return FinalRecord(
+            reason=FinishReason.ERROR, error=error, num_prompt_tokens=self.prompt_len,
+            num_output_tokens=len(self.tokens), num_cached_tokens=0, stop_reason=None, metrics=None,
+        )
+
+
+def retained_size(req: FrontRequest) -> int:
+    """What keeping a finished request costs, in token-equivalents: each output token, plus one
+    per top-logprob candidate it carries (those dominate: ~100 bytes each in Python objects)."""
+    width = len(req.top[0]) if req.top else 0
+    return max(1, len(req.tokens) * (1 + width))
+
+
+class Retention:
+    """Which finished requests stay for late subscribers: the newest ones, within a count, a
+    token-equivalent size (``retained_size``) and an age. Oldest first out."""
+
+    def __init__(self, max_count: int, max_size: int, max_age_s: float) -> None:
+        self.max_count = max_count
+        self.max_size = max_size
+        self.max_age_s = max_age_s
+        self._kept: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
+        self.size = 0  # the sum of the kept requests' sizes
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, req: FrontRequest) -> list[str]:
+        """Keep ``req`` (finished now); returns the ids that no longer fit, oldest first."""
+        self.forget(req.rid)
+        size = retained_size(req)
+        self._kept[req.rid] = (time.monotonic(), size)
+        self.size += size
+        return self.expired()
+
+    def forget(self, rid: str) -> None:
+        entry = self._kept.pop(rid, None)
+        if entry is not None:
+            self.size -= entry[1]
+
+    def expired(self) -> list[str]:
+        """Drop and return the oldest kept ids beyond the count, size or age bounds."""
+        cutoff = time.monotonic() - self.max_age_s
+        dropped = []
+        while self._kept and (
+            len(self._kept) > self.max_count
+            or self.size > self.max_size
+            or next(iter(self._kept.values()))[0] < cutoff
+        ):
+            rid = next(iter(self._kept))
+            self.forget(rid)
+            dropped.append(rid)
+        return dropped
