@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import make_checkpoint  # noqa: E402
 
 # Tiny models gain nothing from threads, and OpenMP barriers crawl when the cores are shared
-# with worker subprocesses (one step: ~1 ms on one thread, >100 ms on two under load).
+# with worker subprocesses: a tiny model's step is mostly synchronisation between threads, and
+# under load that costs far more than its compute.
 torch.set_num_threads(1)
 
 

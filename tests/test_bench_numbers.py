@@ -1,6 +1,6 @@
-"""The benchmark scripts' numbers (found by mutation testing): percentiles, tok/s, hit rates,
-ratios and their direction, best-of and median rounds, Poisson arrivals — computed from fakes
-whose timings are known, so a script that misreports fails here."""
+"""The benchmark scripts' numbers: percentiles, tok/s, hit rates, ratios and their direction,
+best-of and median rounds, Poisson arrivals — computed from fakes whose timings are known, so a
+script that misreports fails here."""
 
 from __future__ import annotations
 

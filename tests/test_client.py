@@ -16,7 +16,7 @@ from qil_client import AsyncClient, Client, DeadlineExceeded, NotFound
 from service_fixtures import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-LONG = 6000  # tokens: still running when the session is left (tiny model: ~1 ms per step)
+LONG = 6000  # tokens: as many steps in a row, so a tiny model still runs when the session is left
 
 
 def _client_cli(*args: str) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
-"""Forward paths the rest of the suite reached only at its extremes or only on CUDA (found by
-mutation testing): CPU prefill chunks holding several requests, the CUDA wiring of the fused
-projections, the paged varlen path through a reference kernel, decode-graph edge cases, and the
-shared-prefix merge at large score gaps."""
+"""Forward paths the rest of the suite reaches only at its extremes or only on CUDA, pinned here
+so that a fault in them fails on any machine: CPU prefill chunks holding several requests, the
+CUDA wiring of the fused projections, the paged varlen path through a reference kernel,
+decode-graph edge cases, and the shared-prefix merge at large score gaps."""
 
 import random
 from types import SimpleNamespace

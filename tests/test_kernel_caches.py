@@ -1,7 +1,8 @@
 """oneDNN's and ideep's per-shape kernel caches are capped in a process set up to serve on CPU.
 
-Uncapped, each new input shape (the token count of a step) keeps a compiled kernel of ~0.5 MB
-for the first 1,024 shapes: a serving worker grew by ~1.1 GB, which looks like a leak.
+Uncapped, each new input shape (the token count of a step) keeps a compiled kernel for the
+first 1,024 shapes, so a serving worker's memory grows for a long time, which looks like a leak
+(docs/performance.md has the figures).
 """
 
 from __future__ import annotations
@@ -79,6 +80,6 @@ def test_start_up_on_cpu_caps_the_kernel_caches_of_its_process(tiny_dir):
     uncapped = _probe(tiny_dir, **{name: "100000" for name in cpu_memory.KERNEL_CACHE_VARIABLES})
     assert capped["caps"] == [str(cpu_memory.KERNEL_CACHE_CAPACITY)] * 2
     assert uncapped["caps"] == ["100000"] * 2  # the user's setting wins
-    # 599 shapes: uncapped every one stays cached (measured +339 MB), capped at most 256 (+105 MB)
+    # 599 shapes: uncapped, every one stays cached; capped, at most 256 do, so well under half
     assert uncapped["growth_mb"] > 150, uncapped
     assert capped["growth_mb"] < uncapped["growth_mb"] / 2, (capped, uncapped)

@@ -1,6 +1,7 @@
-"""The load test's verdicts on faults it must catch (found by mutation testing): the event
-checker's sequence, count and foreign-event checks, ``evaluate``'s invariants on synthetic
-records, the reported figures, and whole runs against a stand-in server that misbehaves."""
+"""The load test's verdicts on faults it must catch, so that a checker that lets one pass fails
+here: the event checker's sequence, count and foreign-event checks, ``evaluate``'s invariants on
+synthetic records, the reported figures, and whole runs against a stand-in server that
+misbehaves."""
 
 from __future__ import annotations
 

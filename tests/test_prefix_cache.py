@@ -194,7 +194,7 @@ def _random_churn(model, policy, attention, monkeypatch, steps: int, submit_step
     assert engine.stats().num_pages_cached > 0
 
 
-# -- eviction order and in-flight hits, found by mutation testing ---------------------------
+# -- eviction order and in-flight hits: what end-to-end outputs alone would not reveal ------
 
 
 def _two_cached_idle_pages():

@@ -1,5 +1,6 @@
-"""Scheduling order (found by mutation testing): prefill chunks capped, decodes first, FCFS
-head-of-line, preempted requests back at the head, prefills taking turns, same-step sharing."""
+"""Scheduling order, each rule pinned where the end-to-end tests would let a change pass:
+prefill chunks capped, decodes first, FCFS head-of-line, preempted requests back at the head,
+prefills taking turns, same-step sharing."""
 
 from engine_helpers import reference_greedy, run_to_completion
 from qil_worker import Engine

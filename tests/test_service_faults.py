@@ -119,7 +119,8 @@ def test_worker_exits_when_its_front_dies(tmp_path):
 
 def test_a_process_that_exits_without_stopping_its_server_does_not_hang(model_dir):
     """The worker ignores SIGTERM (the front owns shutdown), so multiprocessing's exit-time
-    SIGTERM-and-join used to wait forever for a server that was never stopped."""
+    SIGTERM-and-join would wait forever for a server that was never stopped: the front kills
+    its live workers at exit first."""
     code = (
         "import sys; sys.path.insert(0, sys.argv[2])\n"
         "from service_fixtures import start_server\n"
@@ -155,7 +156,7 @@ def test_restarts_are_bounded(model_dir):
 def test_a_worker_that_dies_at_every_start_ends_failed_and_stays_failed(model_dir, tmp_path):
     """A worker that served a while, then dies and cannot start again (its weights are gone):
     the front gives up after --max-restarts attempts and stays FAILED. (A failed start's late
-    exit used to count as one more death and start the whole back-off again, forever.)"""
+    exit must not count as one more death, which would start the whole back-off again, forever.)"""
     import shutil
 
     broken = tmp_path / "model"

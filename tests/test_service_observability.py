@@ -291,7 +291,7 @@ def test_metrics_on_port_0_log_the_port_picked_and_an_ipv6_host_is_unbracketed(m
 
 def test_finished_requests_expire_while_the_server_is_idle(model_dir):
     """--retain-seconds bounds how long a finished request is replayed, even when nothing else
-    finishes after it (expiry used to run only when another request finished)."""
+    finishes after it (expiry must not wait for another request to finish)."""
     with start_server(model_dir, retain_seconds=0.5) as srv:
         with Client(srv.target, timeout=30) as c:
             c.generate([1, 2, 3], max_new_tokens=2, request_id="old")

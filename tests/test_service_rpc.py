@@ -30,7 +30,7 @@ from service_fixtures import (
     wait_until,
 )
 
-LONG = 6000  # tokens: long enough to be cancelled mid-way (tiny model: ~1 ms per step)
+LONG = 6000  # tokens: as many steps in a row, so even a tiny model is still running when cancelled
 
 
 def pages_used(client: Client) -> int:

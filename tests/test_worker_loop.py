@@ -118,7 +118,7 @@ def _until_final(conn, rid: str, seen: list) -> None:
 
 
 def test_a_long_text_prompt_is_tokenized_beside_the_step_loop(tmp_path, monkeypatch):
-    """A prompt that takes long to tokenize (megabytes of text) no longer stalls the loop: other
+    """A prompt that takes long to tokenize (megabytes of text) does not stall the loop: other
     requests run to their end meanwhile, and a cancel that comes first still ends it."""
     from checkpoints import make_text_checkpoint
     from qil_worker import Qwen3

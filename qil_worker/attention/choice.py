@@ -1,10 +1,10 @@
 """Which attention backend an engine runs: the requested name, checked once at start-up.
 
 ``auto`` takes the paged varlen kernel where it works, else gather + SDPA (the packed kernel is
-opt-in until it is measured on a GPU); an explicit varlen choice that does not work here is an
-error. Whether a varlen kernel works is found by ``probe_varlen``: it runs the backend on small
-inputs and compares the result with plain SDPA, so a kernel that runs but aligns the causal mask
-differently is refused too.
+opt-in: it is not yet measured faster on a GPU); an explicit varlen choice that does not work
+here is an error. Whether a varlen kernel works is found by ``probe_varlen``: it runs the
+backend on small inputs and compares the result with plain SDPA, so a kernel that runs but
+aligns the causal mask differently is refused too.
 """
 
 from __future__ import annotations

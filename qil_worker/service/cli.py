@@ -64,7 +64,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--attention", choices=ATTENTION_CHOICES, default="auto",
         help="attention backend: auto (CUDA: torch's paged varlen flash attention where the build "
         "has it, else gather + SDPA), sdpa, varlen, or varlen-packed (CUDA: varlen flash attention "
-        "over keys gathered without padding; opt-in until measured on GPUs)",
+        "over keys gathered without padding; opt-in: not yet measured faster on a GPU)",
     )
     p.add_argument(
         "--no-cuda-graphs", action="store_true",

@@ -1,10 +1,10 @@
 """Keep the garbage collector's full passes short in the long-running processes.
 
 A process that has loaded its modules (torch, transformers' tokenizer, gRPC, the model's
-wrappers) holds ~200k long-lived objects that Python's cyclic collector walks on every full
-(generation 2) collection — a pause of tens of milliseconds inside whatever step or event it
-interrupts (docs/performance.md has the figures). ``gc.freeze()`` after start-up moves those
-objects out of the collector's reach, while what serving creates is still collected.
+wrappers) holds hundreds of thousands of long-lived objects that Python's cyclic collector
+walks on every full (generation 2) collection — a pause long enough to show in whatever step
+or event it interrupts (docs/performance.md has the figures). ``gc.freeze()`` after start-up
+moves those objects out of the collector's reach, while what serving creates is still collected.
 
 Called by the process entry points only (the worker after its warm-up, the front's ``serve``),
 never by library code, whose heap belongs to its embedder.

@@ -1,13 +1,13 @@
 """Long text and chat prompts tokenized on a thread beside the worker's step loop.
 
-Tokenizing is fast for ordinary prompts but grows with the text: a prompt of 6.7 million
-characters (well under the 16 MiB message limit) took 5.6 s, and the step loop stalled every
-other stream that long (measured, before this module). The tokenizer releases the GIL while it
-works, so on a thread the loop steps on meanwhile (measured: a 6 s encode on a thread, the main
-thread's 1 ms sleeps never waited more than 0.15 s). Prompts up to ``INLINE_CHARS`` characters
-(a few ms to tokenize) are still encoded in the loop, in order, so one huge prompt on the
-thread delays no ordinary request. A long prompt's request is acknowledged to the front when it
-is encoded and the engine accepted it; a cancel that arrives before then ends it right after.
+Tokenizing is fast for ordinary prompts but grows with the text: a prompt of millions of
+characters (still under the 16 MiB message limit) takes seconds, and encoded in the step loop
+it would stall every other stream that long. The tokenizer releases the GIL while it works, so
+on a thread the loop steps on meanwhile (docs/performance.md has the figures). Prompts up to
+``INLINE_CHARS`` characters (a few ms to tokenize) are still encoded in the loop, in order, so
+one huge prompt on the thread delays no ordinary request. A long prompt's request is
+acknowledged to the front when it is encoded and the engine accepted it; a cancel that arrives
+before then ends it right after.
 
 The thread is a daemon: a worker told to stop exits at once instead of waiting for an encode
 nobody will use (a 16 MiB prompt takes many seconds). ``ThreadPoolExecutor``'s threads are
