@@ -55,6 +55,11 @@ class FrontRequest:
     def unlisten(self, listener: Listener) -> None:
         self._listeners.discard(listener)
 
+    def accepted(self, num_prompt_tokens: int) -> None:
+        """The worker took it: the prompt's length is known once the worker encoded it (text
+        and chat prompts are tokenized there)."""
+        self.prompt_len = num_prompt_tokens
+
     def append(
         self, token: int, text: str | None, logprob: float | None, top: list | None,
         final: FinalRecord | None = None,

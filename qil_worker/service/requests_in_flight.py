@@ -73,7 +73,7 @@ class RequestsInFlight:
             req = self.live(ack.request_id)
             if req is not None:
                 if ack.rejection is None:
-                    req.prompt_len = ack.num_prompt_tokens  # known once the worker encoded it
+                    req.accepted(ack.num_prompt_tokens)
                 else:  # here, not in the submit: its caller may be gone already
                     self._reject(req, ack.rejection)
             fut = self._acks.pop(ack.request_id, None)
