@@ -13,13 +13,22 @@ import os
 import sys
 
 from qil_client import Client, QilError, TLS, options
-from qil_client.results import ResultBuilder
+from qil_client.cli_help import DefaultsHelpFormatter
+from qil_client.json_output import message_to_dict
+from qil_client.results import ResultBuilder, submit_request
+
+# --wait-ready when not given: commands wait for a server that is starting; health, a probe, does not
+WAIT_READY_S = 30.0
 
 
 def _ids(text: str) -> list[int]:
-    value = json.loads(text)
-    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
-        raise argparse.ArgumentTypeError("expected a JSON list of integers, e.g. '[1,2,3]'")
+    """An argparse type (argparse's error then names the flag, not this function)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of integers, e.g. '[1,2,3]', got {text!r}")
     return value
 
 
@@ -27,8 +36,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """The per-request generation flags, named as those of ``python -m qil_worker generate``
     (``qil_worker.cli_generate.add_sampling_arguments``); the sampling flags of both come from
     ``qil_client.options``, which the client package owns so that it needs no worker package."""
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 16")
-    p.add_argument("--stop-token-ids", type=_ids, default=[], help="JSON list of extra stop ids")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate at most (default: 16)")
+    p.add_argument("--stop-token-ids", type=_ids, default=[], help="JSON list of extra stop ids (default: none)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     options.add_flags(p, options.SAMPLING)
 
@@ -51,17 +60,24 @@ def request_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m qil_client", description="qil gRPC client")
+    fmt = DefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="python -m qil_client", description="qil gRPC client",
+                                formatter_class=fmt)
     p.add_argument("--target", default="127.0.0.1:50051",
                    help="HOST:PORT, several comma-separated, or dns:///name:port")
-    p.add_argument("--token", default=os.environ.get("QIL_AUTH_TOKEN"), help="bearer token ($QIL_AUTH_TOKEN)")
-    p.add_argument("--tls", action="store_true", help="use TLS")
-    p.add_argument("--tls-ca", default=None, help="PEM CA to check the server with")
-    p.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds")
-    p.add_argument("--wait-ready", type=float, default=30.0, help="wait this long for SERVING (0: no wait)")
+    p.add_argument("--token", default=os.environ.get("QIL_AUTH_TOKEN"),
+                   help="bearer token (default: $QIL_AUTH_TOKEN; unset: none)")
+    p.add_argument("--tls", action="store_true", help="use TLS (system roots unless --tls-ca)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA to check the server with (implies --tls)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds (default: none)")
+    p.add_argument(
+        "--wait-ready", type=float, default=None, metavar="SECONDS",
+        help="first wait this long for the server to report SERVING; a refused connection fails at "
+        f"once (0: no wait; default: {WAIT_READY_S:g}, and 0 for health)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate and stream the tokens")
-    s = sub.add_parser("submit", help="queue a request; prints its id")
+    g = sub.add_parser("generate", help="generate and stream the tokens", formatter_class=fmt)
+    s = sub.add_parser("submit", help="queue a request; prints its id", formatter_class=fmt)
     for q in (g, s):
         src = q.add_mutually_exclusive_group(required=True)
         src.add_argument("--token-ids", type=_ids, help="prompt as a JSON list, e.g. '[1,2,3]'")
@@ -78,17 +94,28 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep the stop string at the end of the text")
         q.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
                        default=None, help="show special tokens in the text")
-        q.add_argument("--request-id", default="")
+        q.add_argument("--request-id", default="", help="client-chosen id (default: the server makes one)")
     g.add_argument("--json", action="store_true", help="print one JSON object per event")
     g.add_argument("--ids", action="store_true", help="print token ids even when text comes")
-    c = sub.add_parser("cancel", help="cancel requests")
-    c.add_argument("request_ids", nargs="+")
-    e = sub.add_parser("events", help="stream a request's events (replayed from --from-seq)")
-    e.add_argument("request_id")
-    e.add_argument("--from-seq", type=int, default=0)
-    sub.add_parser("info", help="model, limits, page pool, worker")
-    sub.add_parser("health", help="grpc.health.v1 status")
+    c = sub.add_parser("cancel", help="cancel requests", formatter_class=fmt)
+    c.add_argument("request_ids", nargs="+", help="ids of the requests to cancel")
+    e = sub.add_parser("events", help="stream a request's events (replayed from --from-seq)",
+                       formatter_class=fmt)
+    e.add_argument("request_id", help="id of a request submitted earlier")
+    e.add_argument("--from-seq", type=int, default=0, help="first event to replay")
+    sub.add_parser("info", help="model, limits, page pool, worker", formatter_class=fmt)
+    sub.add_parser("health", formatter_class=fmt,
+                   help="print the grpc.health.v1 status; exit 0 only when SERVING",
+                   description="Print the server's grpc.health.v1 status. Exits 0 when it is "
+                   "SERVING and 1 otherwise (NOT_SERVING while the model loads, a worker restarts "
+                   "or the server drains; or no answer). One check unless --wait-ready asks to wait.")
     return p
+
+
+def _error_line(err: QilError) -> str:
+    """One line that names the field once: the server's details already start with it."""
+    named = not err.field or err.details.startswith(f"{err.field}:")
+    return f"error: {err}" + ("" if named else f" (field {err.field})")
 
 
 def _print_events(events, as_json: bool, ids: bool = False, from_seq: int = 0) -> int:
@@ -96,9 +123,7 @@ def _print_events(events, as_json: bool, ids: bool = False, from_seq: int = 0) -
     for ev in events:
         builder.add(ev)
         if as_json:
-            from google.protobuf.json_format import MessageToDict
-
-            print(json.dumps(MessageToDict(ev, preserving_proto_field_name=True)), flush=True)
+            print(json.dumps(message_to_dict(ev)), flush=True)
         elif ev.HasField("text") and not ids:
             print(ev.text, end="", flush=True)
         elif ev.token_ids:
@@ -138,8 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("generate", "submit") and args.token_ids is not None and args.chat:
             print("error: --chat goes with --prompt", file=sys.stderr)
             return 2
-        if args.wait_ready and args.command != "health":
-            client.wait_ready(args.wait_ready)
+        wait = args.wait_ready if args.wait_ready is not None else (
+            0.0 if args.command == "health" else WAIT_READY_S)
+        if args.command == "health":
+            return _health(client, wait, args.timeout)
+        if args.command in ("generate", "submit"):
+            submit_request(**request_kwargs(args))  # what the wire cannot carry fails before any call
+        if wait:
+            client.wait_ready(wait, fail_when_refused=True)
         if args.command == "generate":
             events = client.stream(timeout=args.timeout, **request_kwargs(args))
             return _print_events(events, args.json, args.ids)
@@ -154,16 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             events = client.events(args.request_id, args.from_seq, timeout=args.timeout)
             return _print_events(events, False, from_seq=args.from_seq)
         if args.command == "info":
-            from google.protobuf.json_format import MessageToDict
-
             info = client.info(timeout=args.timeout)
-            print(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2))
-            return 0
-        if args.command == "health":
-            print(client.health())
+            print(json.dumps(message_to_dict(info), indent=2))
             return 0
     except QilError as err:
-        print(f"error: {err}" + (f" (field {err.field})" if err.field else ""), file=sys.stderr)
+        print(_error_line(err), file=sys.stderr)
         return 1
     except (TypeError, ValueError) as err:  # a value the wire cannot carry (e.g. a negative seed)
         print(f"error: {err}", file=sys.stderr)
@@ -174,6 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         client.close()
     return 2
+
+
+def _health(client: Client, wait: float, timeout: float | None) -> int:
+    """Print the status; 0 only for SERVING, as a probe (Docker's HEALTHCHECK) needs."""
+    if wait:
+        try:
+            client.wait_ready(wait, fail_when_refused=True)
+        except TimeoutError:
+            pass  # the check below prints what the server says now
+    status = client.health(timeout=timeout if timeout is not None else 5.0)
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from qil_client._channel import TLS, auth_metadata, channel_options, credentials
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_client.errors import QilError, error_for, from_rpc_error
+from qil_client.ready import ReadyWait
 from qil_client.results import Result, ResultBuilder, submit_request
 
 _HALF_CLOSE = object()
@@ -109,18 +110,20 @@ class AsyncClient:
             raise from_rpc_error(err) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
-    async def wait_ready(self, timeout: float = 60.0) -> None:
-        """Wait until the server reports SERVING; TimeoutError after ``timeout`` seconds."""
+    async def wait_ready(self, timeout: float = 60.0, *, fail_when_refused: bool = False) -> None:
+        """Wait until the server reports SERVING (see ``qil_client.Client.wait_ready``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        waiter = ReadyWait(timeout, fail_when_refused)
         while True:
             try:
-                if await self.health(timeout=max(0.1, min(2.0, deadline - loop.time()))) == "SERVING":
-                    return
-            except QilError:
-                pass
+                status = await self.health(timeout=max(0.1, min(2.0, deadline - loop.time())))
+            except QilError as err:
+                status = err
+            if waiter.ready(status):
+                return
             if loop.time() > deadline:
-                raise TimeoutError("server not SERVING in time")
+                waiter.give_up()
             await asyncio.sleep(0.1)
 
     async def stream(self, token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,

@@ -12,6 +12,7 @@ from qil_client._channel import TLS, auth_metadata, channel_options, credentials
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_client.errors import QilError, from_rpc_error
+from qil_client.ready import ReadyWait
 from qil_client.results import Result, ResultBuilder, submit_request
 
 _HALF_CLOSE = object()
@@ -128,19 +129,28 @@ class Client:
             raise from_rpc_error(err) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Block until the server reports SERVING; TimeoutError after ``timeout`` seconds."""
+    def wait_ready(self, timeout: float = 60.0, *, fail_when_refused: bool = False) -> None:
+        """Block until the server reports SERVING; TimeoutError after ``timeout`` seconds, naming
+        the last status or error (and chained to that error).
+
+        ``fail_when_refused``: a connection refused (nothing listens at the target) raises the
+        ``Unavailable`` at once; the wait is then for a server that answers but is not SERVING
+        yet (loading its model, restarting its worker). By default that is waited out too, as
+        for a server process started just before.
+        """
         import time
 
         deadline = time.monotonic() + timeout
+        waiter = ReadyWait(timeout, fail_when_refused)
         while True:
             try:
-                if self.health(timeout=max(0.1, min(2.0, deadline - time.monotonic()))) == "SERVING":
-                    return
-            except QilError:
-                pass
+                status = self.health(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            except QilError as err:
+                status = err
+            if waiter.ready(status):
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError("server not SERVING in time")
+                waiter.give_up()
             time.sleep(0.1)
 
     # -- streaming

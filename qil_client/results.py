@@ -3,8 +3,9 @@ the one place that turns keyword arguments into a ``SubmitRequest``."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client.options import NAMES as OPTION_NAMES
@@ -184,23 +185,39 @@ def submit_request(
     arguments = locals()  # first, before any other local: the options by name
     if isinstance(stop_strings, str):
         raise TypeError("stop_strings must be a list of strings, not a string")
-    req = pb.SubmitRequest(
-        request_id=request_id or "",
-        token_ids=list(token_ids or ()),
-        stop_token_ids=list(stop_token_ids or ()),
-        stop_strings=list(stop_strings or ()),
-    )
+    # proto3 sends "" as no text at all: the server would find no prompt and blame token_ids
+    if text is not None and not text:
+        raise ValueError("text: the prompt is empty")
+    req = pb.SubmitRequest()
+    with _naming("request_id"):
+        req.request_id = request_id or ""
+    with _naming("token_ids"):
+        req.token_ids.extend(token_ids or ())
+    with _naming("stop_token_ids"):
+        req.stop_token_ids.extend(stop_token_ids or ())
+    with _naming("stop_strings"):
+        req.stop_strings.extend(stop_strings or ())
     if text is not None:
-        req.text = text
+        with _naming("text"):
+            req.text = text
     if messages is not None:
         req.messages.extend(_messages(messages))
     if max_new_tokens is not None:
-        req.max_new_tokens = max_new_tokens
+        with _naming("max_new_tokens"):
+            req.max_new_tokens = max_new_tokens
     for name in OPTION_NAMES:
         value = arguments[name]
         if value is not None:
-            try:
+            with _naming(name):
                 setattr(req, name, value)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{name}: {exc}") from None
     return req
+
+
+@contextmanager
+def _naming(field_name: str) -> Iterator[None]:
+    """Re-raise protobuf's TypeError / ValueError (``Value out of range: -1``) with the field's
+    name in front, as the server's errors have it."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{field_name}: {exc}") from None

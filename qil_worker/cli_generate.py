@@ -7,14 +7,15 @@ import json
 import sys
 
 from qil_client import options
+from qil_client.cli_help import DefaultsHelpFormatter
 from qil_worker.errors import QilError
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """The per-request generation flags, shared by every command that submits requests (the
     sampling flags, and the client CLI's, come from ``qil_client.options``)."""
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--stop-token-ids", default=None, help="JSON list of extra stop ids")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate at most")
+    p.add_argument("--stop-token-ids", default=None, help="JSON list of extra stop ids (default: none)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     options.add_flags(p, options.SAMPLING)
 
@@ -46,18 +47,25 @@ def parse_token_list(text: str, flag: str) -> list[int]:
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="generate in-process (no server), streaming output")
-    p.add_argument("--model", required=True, help="Qwen3 model directory (config.json + safetensors)")
+    p = subparsers.add_parser(
+        "generate", help="generate in-process (no server), streaming output",
+        description="Generate from one prompt in this process (no server), streaming the output. "
+        "Without --model, uses the embedded demo model (random weights, meaningless outputs), as "
+        "serve does.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=None,
+                   help="Qwen3 model directory (config.json + safetensors; default: the embedded demo)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--token-ids", help="prompt as a JSON list of token ids, e.g. '[1,2,3]'")
     src.add_argument("--prompt", help="prompt text, tokenized with the model directory's tokenizer")
     p.add_argument("--chat", action="store_true", help="send --prompt as a user chat message")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     add_sampling_arguments(p)
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16, auto")
-    p.add_argument("--num-pages", type=positive_int, default=512)
-    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--num-pages", type=positive_int, default=512, help="KV cache pages")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead")
     p.set_defaults(run=run_generate)
 
@@ -74,6 +82,12 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     configure_process(args.device)
     try:
+        if args.model is None:
+            from qil_worker.service.demo_model import ensure_demo_model
+
+            args.model = str(ensure_demo_model())
+            print("qil: no --model: the embedded DEMO model (random weights, meaningless outputs)",
+                  file=sys.stderr)
         tokenizer_dir = args.tokenizer or args.model
         tokenizer = None
         if args.prompt is not None or args.stop or args.tokenizer:

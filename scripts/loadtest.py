@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from qil_client import AsyncClient, QilError, pb  # noqa: E402
+from qil_client.cli_help import DefaultsHelpFormatter  # noqa: E402
 from qil_client.errors import error_for  # noqa: E402
 
 FINISH = {
@@ -661,33 +662,44 @@ def share(text: str) -> float:
     return v
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--target", required=True, help="HOST:PORT of a server on this machine")
     p.add_argument("--concurrency", type=int, default=8, help="clients, one request in flight each")
     p.add_argument("--duration", type=float, default=30.0, help="seconds during which requests start")
     p.add_argument("--warmup", type=float, default=None, help="warm-up seconds (default: min(5, duration/4))")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-len-range", type=int_range, default=(1, 64), metavar="LO,HI")
-    p.add_argument("--max-new-range", type=int_range, default=(1, 64), metavar="LO,HI")
+    p.add_argument("--seed", type=int, default=0, help="of the random choices (prompts, lengths, shares)")
+    p.add_argument("--prompt-len-range", type=int_range, default=(1, 64), metavar="LO,HI",
+                   help="prompt lengths, tokens (default: 1,64)")
+    p.add_argument("--max-new-range", type=int_range, default=(1, 64), metavar="LO,HI",
+                   help="max_new_tokens of the requests (default: 1,64)")
     p.add_argument("--prompt-pool", type=int, default=24, help="distinct prompts (they recur)")
-    p.add_argument("--cancel-share", type=share, default=0.15)
-    p.add_argument("--disconnect-share", type=share, default=0.15)
-    p.add_argument("--slow-share", type=share, default=0.15)
-    p.add_argument("--slow-sleep-ms", type=int_range, default=(5, 50), metavar="LO,HI")
+    p.add_argument("--cancel-share", type=share, default=0.15, help="share of requests cancelled mid-way")
+    p.add_argument("--disconnect-share", type=share, default=0.15,
+                   help="share of requests whose client goes away mid-way")
+    p.add_argument("--slow-share", type=share, default=0.15, help="share of requests read by a slow client")
+    p.add_argument("--slow-sleep-ms", type=int_range, default=(5, 50), metavar="LO,HI",
+                   help="a slow client's pause between events, ms (default: 5,50)")
     p.add_argument("--vocab", type=int, default=None, help="token ids drawn below this (default: GetInfo)")
     p.add_argument("--channels", type=int, default=4, help="gRPC channels the clients share")
     p.add_argument("--request-timeout", type=float, default=60.0, help="deadline of every RPC")
     p.add_argument("--settle", type=float, default=10.0, help="seconds to wait for the pool to drain")
-    p.add_argument("--server-pid", type=int, default=None, help="front pid: check resident memory")
-    p.add_argument("--rss-tolerance", type=float, default=0.10)
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="front pid: check resident memory (default: no memory check)")
+    p.add_argument("--rss-tolerance", type=float, default=0.10,
+                   help="how far resident memory may move from its baseline, as a fraction")
     p.add_argument(
         "--rss-per-process", action="store_true",
         help="hold the front and the worker to the tolerance each (default: their sum). The front "
         "legitimately grows while it fills its store of finished requests (--retain-finished)",
     )
     p.add_argument("--no-consistency", action="store_true", help="do not compare outputs (sampling)")
-    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--json", default=None, help="write the report here (default: not written)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.concurrency < 1 or args.duration <= 0:
         p.error("--concurrency and --duration must be positive")

@@ -1,11 +1,12 @@
 """The ``python -m qil_worker generate`` command, run as a user would, and its flags against the
-in-process engine."""
+in-process engine; the help of every command line (qil_worker, qil_client, scripts/loadtest.py)."""
 
 import asyncio
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from qil_worker.text import load_tokenizer
 from qil_worker.text.output import TextOutput
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(*args, check=True):
@@ -199,3 +201,89 @@ def test_generate_exits_1_when_the_request_fails(capsys, text_dir, monkeypatch):
 def test_generate_refuses_chat_without_a_text_prompt(capsys, text_dir):
     assert worker_main(["generate", "--model", str(text_dir), "--token-ids", "[1, 2]", "--chat"]) == 2
     assert "--chat goes with --prompt" in capsys.readouterr().err
+
+
+def _parsers():
+    """Every command line of qil and its scripts, by name: (name, parser)."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import loadtest
+    finally:
+        sys.path.pop(0)
+    from qil_client.__main__ import _parser as client_parser
+    from qil_worker.__main__ import build_parser
+
+    found = []
+
+    def walk(name, parser):
+        found.append((name, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    walk(f"{name} {sub_name}", sub)
+
+    walk("qil_worker", build_parser())
+    walk("qil_client", client_parser())
+    walk("loadtest.py", loadtest.build_parser())
+    return found
+
+
+def _undocumented(parser) -> list[str]:
+    """Arguments without a one-line help, or whose help leaves out a default that says something
+    (None, False and empty defaults are described by the help itself)."""
+    import argparse
+
+    bad = []
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        if not action.help:
+            bad.append(f"{name}: no help")
+            continue
+        shown = parser._get_formatter()._expand_help(action)
+        if "\n" in shown:
+            bad.append(f"{name}: more than one line")
+        default = action.default
+        says_something = not (default is None or default is False or default == "" or default == [])
+        if says_something and "default" not in shown:
+            bad.append(f"{name}: its default {default!r} is not shown")
+    return bad
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _parsers()])
+def test_every_flag_has_help_and_its_default(name):
+    (parser,) = [p for n, p in _parsers() if n == name]
+    assert _undocumented(parser) == []
+    parser.format_help()  # every help string formats (a stray % would raise here)
+
+
+def test_qil_worker_help_summarises_the_commands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        worker_main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m qil_worker ")
+    assert "``" not in out  # not a docstring
+    for command in ("serve", "generate"):
+        assert any(line.split()[:1] == [command] and len(line.split()) > 1 for line in out.splitlines()), out
+
+
+def test_serve_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        worker_main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for shown in ("(default: 127.0.0.1)", "(default: 50051)", "(default: cpu)", "(default: 512)",
+                  "(default: 1024)", "(default: 5)", "(default: 10.0)", "(default: fcfs)"):
+        assert shown in out, shown
+
+
+def test_generate_without_a_model_uses_the_demo_model_as_serve_does(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("QIL_CACHE_DIR", str(tmp_path))
+    out = json.loads(gen(capsys, "--token-ids", "[1,2,3]", "--max-new-tokens", "3", "--json"))
+    from qil_worker.service.demo_model import demo_dir
+
+    (want,) = Engine(Qwen3.from_directory(demo_dir()), num_pages=16, page_size=8).generate([[1, 2, 3]], 3)
+    assert out["output_token_ids"] == want.output_token_ids

@@ -4,6 +4,7 @@ one clean error line for bad targets and TLS files, timeouts, and AsyncClient's 
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qil_client import AsyncClient, Client, DeadlineExceeded, NotFound
+from qil_client import AsyncClient, Client, DeadlineExceeded, NotFound, Unavailable
 from service_fixtures import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,9 +105,65 @@ def test_client_wait_ready_returns_when_serving_and_times_out_when_nothing_liste
         assert c.health() == "SERVING"
     with Client("127.0.0.1:1") as down:  # nothing listens there
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError, match="last error: UNAVAILABLE") as exc:
             down.wait_ready(0.5)
         assert time.monotonic() - t0 < 10  # gives up near its timeout, not the health call's 5 s
+        assert isinstance(exc.value.__cause__, Unavailable)  # the cause, not only "not in time"
+
+
+@pytest.fixture
+def refused_target():
+    """A port bound but never listening: connections to it are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+def not_serving(server):
+    """The module's server reporting NOT_SERVING, as while it loads its model."""
+    server.call(server.server.health.set_serving(False))
+    try:
+        yield server
+    finally:
+        server.call(server.server.health.set_serving(True))
+
+
+def test_a_refused_connection_ends_the_wait_at_once_with_its_cause(refused_target):
+    t0 = time.monotonic()
+    out = _client_cli("--target", refused_target, "generate", "--token-ids", "[1]")  # waits 30 s at most
+    assert out.returncode == 1 and out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert line.startswith("error: UNAVAILABLE: ") and "connection refused" in line.lower(), line
+    assert time.monotonic() - t0 < 20
+    with Client(refused_target) as c:
+        with pytest.raises(Unavailable, match="(?i)connection refused"):
+            c.wait_ready(30, fail_when_refused=True)
+
+    async def run() -> None:
+        async with AsyncClient(refused_target) as ac:
+            with pytest.raises(Unavailable, match="(?i)connection refused"):
+                await ac.wait_ready(30, fail_when_refused=True)
+
+    asyncio.run(run())
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_wait_that_runs_out_names_the_last_status(not_serving):
+    with Client(not_serving.target) as c:
+        with pytest.raises(TimeoutError, match=r"not SERVING within 0.5 s \(last status: NOT_SERVING\)"):
+            c.wait_ready(0.5, fail_when_refused=True)
+    out = _client_cli("--target", not_serving.target, "--wait-ready", "0.5", "info")
+    assert out.returncode == 1 and "last status: NOT_SERVING" in out.stderr, out.stderr
+
+
+def test_cli_health_exits_1_unless_serving_and_waits_when_asked(server, not_serving):
+    t0 = time.monotonic()
+    out = _client_cli("--target", not_serving.target, "--wait-ready", "1", "health")
+    assert out.returncode == 1 and out.stdout == "NOT_SERVING\n", out
+    assert time.monotonic() - t0 >= 1  # it waited as asked, then said what the server says
+    out = _client_cli("--target", not_serving.target, "health")  # a probe: one check
+    assert out.returncode == 1 and out.stdout == "NOT_SERVING\n"
 
 
 def test_closing_a_client_ends_the_sessions_it_left_open(server):
@@ -194,3 +251,11 @@ def test_result_honours_its_timeout(server):
             asyncio.run(main())
         finally:
             c.cancel(rid)
+
+
+def test_cli_prints_a_server_error_naming_the_field_once(server):
+    out = _client_cli("--target", server.target, "generate", "--token-ids", "[]")
+    assert out.returncode == 1
+    (line,) = out.stderr.splitlines()
+    assert line.startswith("error: INVALID_ARGUMENT: token_ids: the prompt is empty"), line
+    assert "(field" not in line

@@ -161,18 +161,19 @@ def test_client_cli_has_the_sampling_flags_of_the_in_process_cli():
 
 class FakeClient:
     last = None
+    status = "SERVING"  # what health() answers
 
     def __init__(self, target, token=None, tls=None):
         self.target, self.token, self.tls = target, token, tls
         self.calls = []
         FakeClient.last = self
 
-    def wait_ready(self, t):
-        self.calls.append(("wait_ready", t))
+    def wait_ready(self, t, fail_when_refused=False):
+        self.calls.append(("wait_ready", t, fail_when_refused))
 
-    def health(self):
+    def health(self, timeout=None):
         self.calls.append(("health",))
-        return "SERVING"
+        return self.status
 
     def cancel(self, *rids, timeout=None):
         return {rids[0]: True, rids[1]: False}
@@ -192,6 +193,7 @@ class FakeClient:
 def fake(monkeypatch):
     monkeypatch.setattr(client_cli, "Client", FakeClient)
     FakeClient.events = []
+    FakeClient.status = "SERVING"
     return FakeClient
 
 
@@ -214,9 +216,17 @@ def test_text_mode_prints_only_text_even_for_empty_deltas(fake, capsys):
     assert capsys.readouterr().out.splitlines()[0] == "ab"
 
 
-def test_server_error_exit_code_is_1(fake, capsys):
+def test_server_error_exit_code_is_1_and_names_the_field_once(fake, capsys, monkeypatch):
     assert client_cli.main(["submit", "--token-ids", "[1]", "--temperature", "-1"]) == 1
-    assert "(field temperature)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "error: INVALID_ARGUMENT: temperature: bad\n", err  # the server's details name it
+
+    def submit(self, timeout=None, **kw):  # details that do not start with the field get it added
+        raise error_for(3, "out of range", "top_p")
+
+    monkeypatch.setattr(FakeClient, "submit", submit)
+    assert client_cli.main(["submit", "--token-ids", "[1]"]) == 1
+    assert capsys.readouterr().err == "error: INVALID_ARGUMENT: out of range (field top_p)\n"
 
 
 def test_cancel_output(fake, capsys):
@@ -227,6 +237,98 @@ def test_cancel_output(fake, capsys):
 def test_health_does_not_wait_for_serving(fake):
     assert client_cli.main(["health"]) == 0
     assert FakeClient.last.calls == [("health",)]
+
+
+@pytest.mark.parametrize("status, rc", [("SERVING", 0), ("NOT_SERVING", 1), ("SERVICE_UNKNOWN", 1), ("UNKNOWN", 1)])
+def test_health_exits_0_only_when_serving(fake, capsys, status, rc):
+    """A readiness probe (Docker's HEALTHCHECK runs this command) must fail unless SERVING."""
+    fake.status = status
+    assert client_cli.main(["--wait-ready", "0", "health"]) == rc
+    assert capsys.readouterr().out == status + "\n"
+
+
+def test_health_waits_when_asked(fake, capsys):
+    fake.status = "NOT_SERVING"
+    assert client_cli.main(["--wait-ready", "7", "health"]) == 1
+    assert FakeClient.last.calls == [("wait_ready", 7.0, True), ("health",)]
+    assert capsys.readouterr().out == "NOT_SERVING\n"
+
+
+def test_other_commands_wait_30_s_unless_told_and_a_refused_connection_ends_the_wait(fake):
+    fake.events = [final(0, pb.FINISH_REASON_LENGTH)]
+    assert client_cli.main(["generate", "--token-ids", "[1]"]) == 0
+    assert FakeClient.last.calls[0] == ("wait_ready", 30.0, True)
+    assert client_cli.main(["--wait-ready", "0", "generate", "--token-ids", "[1]"]) == 0
+    assert [c[0] for c in FakeClient.last.calls] == ["stream"]
+
+
+@pytest.mark.parametrize("flag", ["--token-ids", "--stop-token-ids"])
+@pytest.mark.parametrize("value", ["garbage", "[1, 2.5]", "{}", "[true]"])
+def test_a_token_list_that_is_not_one_names_the_flag(capsys, flag, value):
+    argv = ["generate", "--token-ids", "[1]"] if flag == "--stop-token-ids" else ["generate"]
+    with pytest.raises(SystemExit) as exc:
+        client_cli._parser().parse_args([*argv, flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected a JSON list of integers" in err and repr(value) in err, err
+    assert "_ids" not in err
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(token_ids=[-1]), "token_ids"),
+    (dict(token_ids=[2**32]), "token_ids"),
+    (dict(token_ids=["a"]), "token_ids"),
+    (dict(token_ids=[1], max_new_tokens=-1), "max_new_tokens"),
+    (dict(token_ids=[1], stop_token_ids=[-5]), "stop_token_ids"),
+    (dict(token_ids=[1], stop_strings=[3]), "stop_strings"),
+    (dict(token_ids=[1], request_id=7), "request_id"),
+    (dict(text=""), "text"),
+])
+def test_values_the_wire_cannot_carry_name_their_field(kwargs, field):
+    """As the server's errors do (its details start with the field)."""
+    from qil_client.results import submit_request
+
+    with pytest.raises((TypeError, ValueError), match=f"^{field}: "):
+        submit_request(**kwargs)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--token-ids", "[-1]"], "token_ids"),
+    (["--token-ids", "[1]", "--max-new-tokens", "-1"], "max_new_tokens"),
+    (["--token-ids", "[1]", "--stop-token-ids", "[-1]"], "stop_token_ids"),
+    (["--prompt", ""], "text"),
+])
+def test_the_cli_names_the_field_of_a_value_the_wire_cannot_carry(fake, capsys, argv, field):
+    for command in ("generate", "submit"):
+        assert client_cli.main([command, *argv]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {field}: ")
+        assert FakeClient.last.calls == []  # refused before any call, and before waiting for one
+
+
+def test_json_events_carry_every_field_with_integers_as_numbers(fake, capsys):
+    fake.events = [pb.Event(request_id="r", seq=0, token_ids=[5], logprobs=[-0.5]),
+                   pb.Event(request_id="r", seq=1, token_ids=[0]),
+                   final(2, pb.FINISH_REASON_STOP, stop_token_id=0, num_output_tokens=2,
+                         metrics=pb.RequestMetrics(ttft_s=0.25, num_preemptions=0))]
+    assert client_cli.main(["generate", "--token-ids", "[1]", "--json"]) == 0
+    first, second, last = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert first["seq"] == 0 and second["seq"] == 1 and last["seq"] == 2  # numbers, the zero too
+    assert first["finished"] is False and first["finish_reason"] == "FINISH_REASON_UNSPECIFIED"
+    assert second["token_ids"] == [0] and first["logprobs"] == [-0.5] and second["logprobs"] == []
+    assert first["num_output_tokens"] == 0 and set(first) == set(second)  # one shape per event
+    assert "text" not in first and "metrics" not in first  # unset: no tokenizer, not the final event
+    assert last["stop_token_id"] == 0 and last["num_output_tokens"] == 2
+    assert last["metrics"]["ttft_s"] == 0.25 and last["metrics"]["num_preemptions"] == 0
+
+
+def test_message_to_dict_writes_64_bit_integers_as_numbers_and_json_safe_floats():
+    from qil_client.json_output import message_to_dict
+
+    out = message_to_dict(pb.Event(seq=2**63 + 5, logprobs=[float("-inf"), float("nan"), 1.0]))
+    assert out["seq"] == 2**63 + 5 and out["logprobs"] == ["-Infinity", "NaN", 1.0]
+    assert json.loads(json.dumps(out)) == out
+    info = message_to_dict(pb.GetInfoResponse(num_requests_total=7))
+    assert info["num_requests_total"] == 7
 
 
 def test_flags_reach_the_client(fake):

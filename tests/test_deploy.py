@@ -385,14 +385,10 @@ def test_kubelet_grpc_probe_fails_on_a_server_not_serving(not_serving):
     assert kubelet_probe(not_serving.target) == "NOT_SERVING"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="qil_client's `health` command prints NOT_SERVING and exits 0 (issue #20, client "
-    "part): Docker would count a server that is not serving as healthy",
-)
 def test_healthcheck_command_fails_on_a_server_not_serving(not_serving):
     result, _ = run_healthcheck(not_serving.target)
     assert result.returncode != 0, result.stdout
+    assert result.stdout.strip() == "NOT_SERVING"
 
 
 def test_healthcheck_command_fails_fast_when_nothing_listens():

@@ -89,3 +89,12 @@ def test_front_does_not_import_torch():
     assert "qil_worker.service.server" in mods
     assert "torch" not in mods, "the front (and qil_worker/__init__) must not import torch"
     assert "transformers" not in mods and "tokenizers" not in mods, "the tokenizer lives in the worker"
+
+
+def test_numpy_is_a_dependency():
+    """torch does not require numpy, but without it warns "Failed to initialize NumPy" into the
+    worker's logs at every start: qil depends on it (qil itself does not import it)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0].lower() for dep in project["dependencies"]}
+    assert "numpy" in names

@@ -1,5 +1,5 @@
-"""Bearer-token auth, --max-queued, TLS and mutual TLS, one client target over two servers (round
-robin), and a ``dns:///`` target resolved by gRPC itself."""
+"""Bearer-token auth (and reflection left open), --max-queued, TLS and mutual TLS, one client
+target over two servers (round robin), and a ``dns:///`` target resolved by gRPC itself."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from qil_client import TLS, Client, ResourceExhausted, Unauthenticated, Unavailable
+from qil_client import TLS, Client, ResourceExhausted, Unauthenticated, Unavailable, pb
+from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from service_fixtures import start_server, wait_until
 
 TOKEN = "s3cret-token"
@@ -20,7 +21,7 @@ SMALL = dict(num_pages=1024, page_size=16, token_budget=128, prefill_chunk=64, m
 @pytest.fixture(scope="module")
 def servers(model_dir):
     a = start_server(model_dir, engine=SMALL, auth_token=TOKEN, max_queued=1)
-    b = start_server(model_dir, engine=SMALL, auth_token=TOKEN, max_queued=1)
+    b = start_server(model_dir, engine=SMALL, auth_token=TOKEN, max_queued=1, open_reflection=True)
     yield a, b
     a.stop()
     b.stop()
@@ -40,15 +41,77 @@ def test_every_rpc_but_health_needs_the_token(servers):
             ):
                 with pytest.raises(Unauthenticated):
                     call()
-    with grpc.insecure_channel(a.target) as ch:  # reflection is protected too
-        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-        with pytest.raises(grpc.RpcError) as exc:
-            list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
-        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(a.target) as ch:  # reflection is protected too, both versions
+        for version in ("v1", "v1alpha"):
+            with pytest.raises(grpc.RpcError) as exc:
+                list_services(ch, version)
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED, version
     with Client(a.target, token=TOKEN, timeout=30) as c:
         assert c.generate([1, 2], max_new_tokens=3).finish_reason == "length"
+
+
+def list_services(channel: grpc.Channel, version: str, metadata=None) -> set[str]:
+    """A raw ServerReflectionInfo call of reflection ``version`` (v1 and v1alpha have the same
+    messages on the wire): the services the server lists."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    call = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    (resp,) = call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=metadata, timeout=10)
+    return {s.name for s in resp.list_services_response.service}
+
+
+def get_info(target: str, metadata) -> None:
+    """GetInfo with exactly this metadata (the client always sends its one header as 'Bearer')."""
+    with grpc.insecure_channel(target) as ch:
+        pb_grpc.InferenceStub(ch).GetInfo(pb.GetInfoRequest(), metadata=metadata, timeout=10)
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_the_token_exact(servers):
+    a, _ = servers
+    for value in (f"Bearer {TOKEN}", f"bearer {TOKEN}", f"BEARER {TOKEN}", f"bEaReR  {TOKEN}"):
+        get_info(a.target, (("authorization", value),))
+    for value in (f"Bearer {TOKEN.upper()}", f"Basic {TOKEN}", f"Bearer{TOKEN}", TOKEN,
+                  "Bearer", f"Bearer {TOKEN[:-1]}"):
+        with pytest.raises(grpc.RpcError) as exc:
+            get_info(a.target, (("authorization", value),))
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED, value
+
+
+@pytest.mark.parametrize("values", [(TOKEN, "wrong"), ("wrong", TOKEN), (TOKEN, TOKEN)])
+def test_two_authorization_headers_are_refused(servers, values):
+    """Not decided by whichever the server reads first."""
+    a, _ = servers
+    with pytest.raises(grpc.RpcError) as exc:
+        get_info(a.target, tuple(("authorization", f"Bearer {v}") for v in values))
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_open_reflection_answers_without_the_token_and_nothing_else_does(servers):
+    _, b = servers  # started with open_reflection=True
+    with grpc.insecure_channel(b.target) as ch:
+        for version in ("v1", "v1alpha"):
+            assert {"qil.v1.Inference", "grpc.health.v1.Health"} <= list_services(ch, version)
+    with Client(b.target, timeout=10) as c:  # grpcurl's way to health: reflection, then Check
+        assert c.health() == "SERVING"
+        with pytest.raises(Unauthenticated):
+            c.info()
+    with Client(b.target, token=TOKEN, timeout=10) as c:
+        assert c.info().limits.max_queued == 1
+
+
+def test_serve_open_reflection_flag_reaches_the_config():
+    import argparse
+
+    from qil_worker.service.cli import add_serve_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    assert config_from_args(parser.parse_args(["serve", "--open-reflection"])).open_reflection
+    assert not config_from_args(parser.parse_args(["serve"])).open_reflection
 
 
 def test_max_queued_gives_resource_exhausted(servers):

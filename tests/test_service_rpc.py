@@ -54,6 +54,47 @@ def test_health_and_reflection(server, client):
     assert {"qil.v1.Inference", "grpc.health.v1.Health"} <= names
 
 
+def _reflect_v1(target: str, *requests):
+    """Raw grpc.reflection.v1 calls (grpcurl and Postman ask v1 first). Its messages are
+    v1alpha's in another package, identical on the wire."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with grpc.insecure_channel(target) as ch:
+        call = ch.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        return list(call(iter([reflection_pb2.ServerReflectionRequest(**r) for r in requests]), timeout=10))
+
+
+def test_reflection_v1_lists_and_describes_every_service(server):
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    services = {"qil.v1.Inference", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"}
+    (listed, *described) = _reflect_v1(server.target, dict(list_services=""),
+                                       *(dict(file_containing_symbol=name) for name in sorted(services)))
+    assert {s.name for s in listed.list_services_response.service} == services
+    pool = descriptor_pool.DescriptorPool()  # what a client builds from the answers
+    for resp in described:
+        assert resp.WhichOneof("message_response") == "file_descriptor_response", resp
+        files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                 for b in resp.file_descriptor_response.file_descriptor_proto]
+        for f in reversed(files):  # each file comes before the files it imports
+            try:
+                pool.FindFileByName(f.name)
+            except KeyError:
+                pool.Add(f)
+    for name in services:
+        pool.FindServiceByName(name)
+    v1 = pool.FindServiceByName("grpc.reflection.v1.ServerReflection").methods_by_name["ServerReflectionInfo"]
+    assert v1.input_type.full_name == "grpc.reflection.v1.ServerReflectionRequest"
+    assert v1.output_type.full_name == "grpc.reflection.v1.ServerReflectionResponse"
+    (missing,) = _reflect_v1(server.target, dict(file_containing_symbol="no.such.Service"))
+    assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
 def test_get_info(client, model_dir):
     info = client.info()
     assert info.model.vocab_size == 97

@@ -1,7 +1,8 @@
 """Optional bearer-token authentication (``--auth-token`` or ``QIL_AUTH_TOKEN``).
 
-Every RPC except the ``grpc.health.v1`` service must carry ``authorization: Bearer <token>``;
-anything else is UNAUTHENTICATED. Tokens are compared with ``hmac.compare_digest``.
+Every RPC except the ``grpc.health.v1`` service (and reflection, with ``--open-reflection``) must
+carry one ``authorization: Bearer <token>`` header (the scheme in any case); anything else is
+UNAUTHENTICATED. Tokens are compared with ``hmac.compare_digest``.
 """
 
 from __future__ import annotations
@@ -12,22 +13,33 @@ from typing import Awaitable, Callable
 import grpc
 
 from qil_worker.service.errors import unauthenticated
+from qil_worker.service.reflection import SERVICE_NAMES as REFLECTION_SERVICES
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIXES = tuple(f"/{name}/" for name in REFLECTION_SERVICES)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
+    """``open_reflection``: reflection answers without the token too (it describes the public
+    protocol only), so that grpcurl can list the services and call health without it."""
+
+    def __init__(self, token: str, open_reflection: bool = False) -> None:
         if not token:
             raise ValueError("auth token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
+        self._open = (HEALTH_PREFIX, *REFLECTION_PREFIXES) if open_reflection else (HEALTH_PREFIX,)
 
     def _authorized(self, metadata) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(got, self._expected)
-        return False
+        """Exactly one ``authorization`` header: two would leave the choice to whichever the
+        server reads first. The scheme is case-insensitive (RFC 7235), the token compared exactly."""
+        values = [value for key, value in metadata or () if key == "authorization"]
+        if len(values) != 1:
+            return False
+        value = values[0].encode() if isinstance(values[0], str) else bytes(values[0])
+        scheme, _, credentials = value.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(credentials.lstrip(b" "), self._expected)
 
     async def intercept_service(
         self,
@@ -35,7 +47,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if details.method.startswith(HEALTH_PREFIX) or self._authorized(details.invocation_metadata):
+        if details.method.startswith(self._open) or self._authorized(details.invocation_metadata):
             return handler
         if handler is None:
             return handler

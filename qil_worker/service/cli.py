@@ -8,6 +8,7 @@ import asyncio
 import os
 import sys
 
+from qil_client.cli_help import DefaultsHelpFormatter
 from qil_worker.attention.names import ATTENTION_CHOICES
 from qil_worker.cli_generate import positive_int
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
@@ -22,6 +23,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="serve a model over gRPC (qil.v1.Inference)",
         description="Serve a Qwen3 model over gRPC. Without --model, serves the embedded demo "
         "model (random weights, meaningless outputs) so the quick start needs no download.",
+        formatter_class=DefaultsHelpFormatter,
     )
     add_serve_arguments(p)
     p.set_defaults(func=run_serve, run=run_serve)
@@ -30,11 +32,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Qwen3 checkpoint directory (default: the embedded demo)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=50051, help="0 picks a free port (printed at start)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    p.add_argument("--port", type=_port, default=50051, help="gRPC port; 0 picks a free one (printed at start)")
+    p.add_argument("--device", default="cpu", help="where the worker runs the model: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto = the checkpoint's (default: bfloat16 on CUDA, float32 otherwise)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads in the worker")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads in the worker (default: torch's, one per core)")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=positive_int, default=None, help="KV pages (default: 512)")
     pool.add_argument(
@@ -46,10 +49,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="size the KV pool from this fraction of the free device memory after loading the "
         "model, less the activation peak of a --token-budget step (CUDA only)",
     )
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--token-budget", type=int, default=512)
-    p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--max-active", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--token-budget", type=int, default=512, help="tokens computed per engine step, all requests together")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens of one request per step at most")
+    p.add_argument("--max-active", type=int, default=64, help="requests running at once; more wait in the queue")
     p.add_argument(
         "--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
         help="order in which waiting requests are admitted: fcfs (arrival order), or "
@@ -84,8 +87,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--max-queued", type=non_negative_int, default=1024,
         help="unfinished requests admitted beyond --max-active; more is RESOURCE_EXHAUSTED",
     )
-    p.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM/SIGINT")
-    p.add_argument("--max-restarts", type=non_negative_int, default=5, help="worker restarts in a row before giving up")
+    p.add_argument("--grace-seconds", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT, time for requests in flight to finish before they are cancelled")
+    p.add_argument("--max-restarts", type=non_negative_int, default=5,
+                   help="worker restarts in a row before the server gives up (health stays NOT_SERVING)")
     p.add_argument(
         "--retain-finished", type=non_negative_int, default=limits.RETAIN_FINISHED,
         help="finished requests kept for late subscribers (at most this many...)",
@@ -102,19 +107,26 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--auth-token", default=None,
         help="require 'authorization: Bearer TOKEN' (default: $QIL_AUTH_TOKEN; unset: no auth)",
     )
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
-    p.add_argument("--tls-key", default=None, help="PEM private key")
-    p.add_argument("--tls-client-ca", default=None, help="PEM CA; requires client certificates")
+    p.add_argument(
+        "--open-reflection", action="store_true",
+        help="with an auth token: answer server reflection without it too (grpcurl can then list "
+        "the services and call health without the token; the other RPCs still need it)",
+    )
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS; default: plaintext)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None,
+                   help="PEM CA; requires client certificates signed by it (mutual TLS; default: none asked)")
     p.add_argument(
         "--max-stream-backlog", type=non_negative_int, default=limits.MAX_STREAM_BACKLOG, metavar="TOKENS",
         help="a streaming call whose client falls more than this many tokens behind (with one "
         "write stuck for a second) ends with "
         "RESOURCE_EXHAUSTED and its requests are cancelled (0: no bound)",
     )
-    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+                   help="of both processes")
     p.add_argument(
         "--log-format", choices=logs.FORMATS, default="text",
-        help="json: one JSON object per line (ts, level, logger, message, process, request_id)",
+        help="text, or json: one JSON object per line (ts, level, logger, message, process, request_id)",
     )
     p.add_argument(
         "--metrics-port", type=_port, default=None,
@@ -184,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         port=args.port,
         grace_seconds=args.grace_seconds,
         auth_token=token or None,
+        open_reflection=args.open_reflection,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
@@ -248,7 +261,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry (``python -m qil_worker.service``), same as ``qil_worker serve``."""
-    parser = argparse.ArgumentParser(prog="qil_worker")
+    parser = argparse.ArgumentParser(prog="python -m qil_worker.service", formatter_class=DefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     args = parser.parse_args(argv)

@@ -14,7 +14,6 @@ import threading
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_reflection.v1alpha import reflection
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_worker.service import limits
@@ -23,6 +22,7 @@ from qil_worker.service.decoding import add_servicer
 from qil_worker.service.front import Front, FrontConfig
 from qil_worker.service.health import SERVICE_NAME, Health
 from qil_worker.service.heap import freeze_startup_heap
+from qil_worker.service.reflection import enable_reflection
 from qil_worker.service.servicer import InferenceServicer
 from qil_worker.service.worker_process import WorkerFailed, WorkerState
 
@@ -36,6 +36,7 @@ class ServeConfig:
     front: FrontConfig = field(default_factory=FrontConfig)
     grace_seconds: float = 10.0
     auth_token: str | None = None
+    open_reflection: bool = False  # with auth_token: reflection answers callers without it too
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -76,14 +77,15 @@ class Server:
             # an IPv6 --host is written [::1] for gRPC; the HTTP server wants it bare
             self.metrics.serve((cfg.metrics_host or cfg.host).strip("[]"), cfg.metrics_port)
             self.front.metrics = self.metrics
-        interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        interceptors = (
+            [BearerTokenInterceptor(cfg.auth_token, open_reflection=cfg.open_reflection)]
+            if cfg.auth_token else []
+        )
         server = grpc.aio.server(options=limits.SERVER_OPTIONS, interceptors=interceptors)
         add_servicer(InferenceServicer(self.front), server, pb, "Inference")
         self.health.add_to_server(server)
         await self.health.set_serving(False)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
-        )
+        enable_reflection((SERVICE_NAME, "grpc.health.v1.Health"), server)
         address = f"{cfg.host}:{cfg.port}"
         creds = None
         if cfg.tls_client_ca and not (cfg.tls_cert and cfg.tls_key):
