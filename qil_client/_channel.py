@@ -11,8 +11,17 @@ from typing import Sequence
 
 import grpc
 
+from qil_client._proto.qil.v1 import inference_pb2 as pb
+
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+# Balancing over several servers: round_robin, skipping a server whose grpc.health.v1 status for
+# the Inference service is not SERVING (loading, restarting its worker or draining), so calls go
+# to the replicas that can take them instead of failing with UNAVAILABLE on the one that cannot.
+INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+ROUND_ROBIN = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "healthCheckConfig": {"serviceName": INFERENCE_SERVICE},
+})
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import pytest
 
 from qil_client import TLS, Client, ResourceExhausted, Unauthenticated, Unavailable, pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
+from qil_worker.service import limits
 from service_fixtures import start_server, wait_until
 
 TOKEN = "s3cret-token"
@@ -138,6 +139,29 @@ def test_one_target_over_two_servers_round_robin(servers):
     for s in servers:
         with Client(s.target, token=TOKEN) as c:
             assert c.info().num_requests_total - before[s.port] >= 3  # both got traffic
+
+
+def test_round_robin_skips_a_server_that_is_not_serving(servers):
+    """A replica that reports NOT_SERVING (loading, restarting its worker, draining) gets no
+    calls from a balancing client while another one serves."""
+    a, b = servers
+    with Client(b.target, token=TOKEN) as c:
+        before_b = c.info().num_requests_total
+    b.call(b.server.health.set_serving(False))
+    try:
+        with Client([a.target, b.target], token=TOKEN, timeout=30) as c:
+            for i in range(8):
+                assert c.generate([i + 1, 2], max_new_tokens=2).num_output_tokens == 2
+    finally:
+        b.call(b.server.health.set_serving(True))
+    with Client(b.target, token=TOKEN) as c:
+        assert c.info().num_requests_total == before_b
+
+
+def test_server_connections_age_out_so_clients_find_new_replicas():
+    options = dict(limits.SERVER_OPTIONS)
+    assert 0 < options["grpc.max_connection_age_ms"] <= 30 * 60 * 1000
+    assert options["grpc.max_connection_age_grace_ms"] >= 2**31 - 1  # streams in flight finish
 
 
 def test_dns_target_is_resolved_by_grpc(servers):

@@ -26,6 +26,8 @@ MAX_STREAM_BACKLOG = 4096
 # merely slow for a moment on a busy host is not cut off).
 STREAM_STALL_S = 1.0
 
+MAX_CONNECTION_AGE_MS = 10 * 60 * 1000
+
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -37,4 +39,9 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.so_reuseport", 0),
+    # A client re-resolves a dns:/// name only when a connection ends: ending each connection
+    # after a while (gRPC adds jitter) lets long-lived clients find replicas added since. Calls
+    # in flight, long streams included, finish on the old connection (no grace limit).
+    ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+    ("grpc.max_connection_age_grace_ms", 2**31 - 1),
 ]
