@@ -64,12 +64,15 @@ def test_short_load_test_passes_every_invariant(tiny_dir, tmp_path):
 
 
 def test_load_test_fails_when_the_server_forgets_finished_requests(tiny_dir, tmp_path):
-    """--retain-finished 0: late subscriptions (after a disconnect, or Submit then subscribe) get
-    NOT_FOUND, which the load test must report as failures (exit 1), not hide."""
+    """--retain-finished 0: a late subscription gets NOT_FOUND, which the load test must report as
+    a failure (exit 1), not hide. One-token requests make it certain for the Submit-then-subscribe
+    ones: the worker answers the submit and ends the request in the same batch, so the front has
+    forgotten it before Submit returns (a subscription after a disconnect races the cancel)."""
     proc, target, _ = serve_process("--model", str(tiny_dir), "--log-level", "WARNING", "--retain-finished", "0")
     try:
         out = run_loadtest("--target", target, "--concurrency", "4", "--duration", "2",
-                           "--warmup", "0", "--request-timeout", "5", "--disconnect-share", "0.5",
+                           "--warmup", "0", "--request-timeout", "5", "--max-new-range", "1,1",
+                           "--cancel-share", "0", "--disconnect-share", "0", "--slow-share", "0",
                            "--json", str(tmp_path / "report.json"))
     finally:
         stop_server_process(proc)
