@@ -43,8 +43,8 @@ def message(cls: type) -> type:
     cls = dataclass(frozen=True, slots=True)(cls)
     names = [f.name for f in fields(cls)]
     if own_reduce:
-        pass
-    elif not names:
+        return cls
+    if not names:
         cls.__reduce__ = lambda self: (cls, ())
     elif len(names) == 1:
         get_one = operator.attrgetter(names[0])
