@@ -25,10 +25,11 @@ from qil_client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from qil_client.results import Metrics, Result
+from qil_client.results import Metrics, Result, TokenizeResult, Usage
 
 __all__ = [
     "AlreadyExists", "AsyncClient", "AsyncSession", "Cancelled", "Client", "DeadlineExceeded",
     "FailedPrecondition", "Internal", "InvalidArgument", "Metrics", "NotFound", "QilError",
-    "ResourceExhausted", "Result", "Session", "TLS", "Unauthenticated", "Unavailable", "pb",
+    "ResourceExhausted", "Result", "Session", "TLS", "TokenizeResult", "Unauthenticated", "Unavailable",
+    "Usage", "pb",
 ]

@@ -1,7 +1,8 @@
 """``python -m qil_client --target HOST:PORT generate --prompt 'Once upon a time' --temperature 0.7``.
 
 Commands: generate (streams the text as it is produced, or the token ids when the server has no
-tokenizer, then prints the metrics), submit, cancel, events, info, health. The sampling flags
+tokenizer, then prints the metrics), submit, cancel, events, info, health, and tokenize /
+detokenize (a prompt's ids as a submit of it would get them, and ids back to text). The sampling flags
 have the names of ``python -m qil_worker generate``'s; unset flags leave the server's defaults.
 """
 
@@ -40,6 +41,33 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", type=_ids, default=[], help="JSON list of extra stop ids (default: none)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     options.add_flags(p, options.SAMPLING)
+
+
+def _messages_arg(text: str) -> list[dict]:
+    """An argparse type: a JSON list of {"role": ..., "content": ...} objects."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    ):
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON list of {{"role": ..., "content": ...}} objects, got {text!r}')
+    return value
+
+
+def tokenize_kwargs(args: argparse.Namespace) -> dict:
+    """``Client.tokenize``'s keyword arguments from the tokenize flags (the prompt built as
+    generate --prompt [--chat] builds it)."""
+    if args.messages is not None:
+        return {"messages": args.messages, "enable_thinking": args.enable_thinking}
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        return {"messages": messages + [{"role": "user", "content": args.prompt}],
+                "enable_thinking": args.enable_thinking}
+    return {"text": args.prompt}
 
 
 def request_kwargs(args: argparse.Namespace) -> dict:
@@ -103,6 +131,23 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     e.add_argument("request_id", help="id of a request submitted earlier")
     e.add_argument("--from-seq", type=int, default=0, help="first event to replay")
+    t = sub.add_parser("tokenize", formatter_class=fmt,
+                       help="print a prompt's token ids, as a submit of it would get them")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (with --chat: a user message)")
+    src.add_argument("--messages", type=_messages_arg,
+                     help='chat as a JSON list, e.g. \'[{"role": "user", "content": "hi"}]\'')
+    t.add_argument("--chat", action="store_true", help="send --prompt as a user chat message")
+    t.add_argument("--system", default=None, help="with --chat: a system message first")
+    t.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
+                   default=None, help="chat only: Qwen3's enable_thinking (default: the template's)")
+    t.add_argument("--json", action="store_true",
+                   help="print a JSON object (token_ids, num_tokens, max_position_embeddings)")
+    d = sub.add_parser("detokenize", help="print the text of token ids", formatter_class=fmt)
+    d.add_argument("--token-ids", type=_ids, required=True, help="a JSON list, e.g. '[1,2,3]'")
+    d.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
+                   default=None, help="show special tokens in the text")
+    d.add_argument("--json", action="store_true", help='print a JSON object {"text": ...}')
     sub.add_parser("info", help="model, limits, page pool, worker", formatter_class=fmt)
     sub.add_parser("health", formatter_class=fmt,
                    help="print the grpc.health.v1 status; exit 0 only when SERVING",
@@ -163,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("generate", "submit") and args.token_ids is not None and args.chat:
             print("error: --chat goes with --prompt", file=sys.stderr)
             return 2
+        if args.command == "tokenize" and (
+            (args.chat and args.messages is not None)
+            or (args.system and not args.chat)
+            or (args.enable_thinking is not None and not args.chat and args.messages is None)
+        ):
+            print("error: --chat, --system and --thinking go with --prompt --chat "
+                  "(--thinking also with --messages)", file=sys.stderr)
+            return 2
         wait = args.wait_ready if args.wait_ready is not None else (
             0.0 if args.command == "health" else WAIT_READY_S)
         if args.command == "health":
@@ -184,6 +237,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "events":
             events = client.events(args.request_id, args.from_seq, timeout=args.timeout)
             return _print_events(events, False, from_seq=args.from_seq)
+        if args.command == "tokenize":
+            tok = client.tokenize(timeout=args.timeout, **tokenize_kwargs(args))
+            if args.json:
+                print(json.dumps({"token_ids": tok.token_ids, "num_tokens": tok.num_tokens,
+                                  "max_position_embeddings": tok.max_position_embeddings}))
+            else:
+                print(json.dumps(tok.token_ids))
+                print(f"{tok.num_tokens} tokens (the model's context: {tok.max_position_embeddings})")
+            return 0
+        if args.command == "detokenize":
+            text = client.detokenize(args.token_ids, args.skip_special_tokens, timeout=args.timeout)
+            print(json.dumps({"text": text}) if args.json else text)
+            return 0
         if args.command == "info":
             info = client.info(timeout=args.timeout)
             print(json.dumps(message_to_dict(info), indent=2))

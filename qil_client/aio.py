@@ -12,7 +12,14 @@ from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_client.errors import QilError, error_for, from_rpc_error
 from qil_client.ready import ReadyWait
-from qil_client.results import Result, ResultBuilder, submit_request
+from qil_client.results import (
+    Result,
+    ResultBuilder,
+    TokenizeResult,
+    detokenize_request,
+    submit_request,
+    tokenize_request,
+)
 
 _HALF_CLOSE = object()
 
@@ -99,6 +106,18 @@ class AsyncClient:
 
     async def info(self, timeout: float | None = None) -> pb.GetInfoResponse:
         return await self._unary(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
+
+    async def tokenize(self, text: str | None = None, messages=None, enable_thinking: bool | None = None,
+                       timeout: float | None = None) -> TokenizeResult:
+        """See ``qil_client.Client.tokenize``."""
+        req = tokenize_request(text, messages, enable_thinking)
+        return TokenizeResult.from_proto(await self._unary(self._stub.Tokenize, req, timeout))
+
+    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool | None = None,
+                         timeout: float | None = None) -> str:
+        """See ``qil_client.Client.detokenize``."""
+        req = detokenize_request(token_ids, skip_special_tokens)
+        return (await self._unary(self._stub.Detokenize, req, timeout)).text
 
     async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

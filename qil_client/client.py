@@ -13,7 +13,14 @@ from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_client.errors import QilError, from_rpc_error
 from qil_client.ready import ReadyWait
-from qil_client.results import Result, ResultBuilder, submit_request
+from qil_client.results import (
+    Result,
+    ResultBuilder,
+    TokenizeResult,
+    detokenize_request,
+    submit_request,
+    tokenize_request,
+)
 
 _HALF_CLOSE = object()
 
@@ -117,6 +124,20 @@ class Client:
 
     def info(self, timeout: float | None = None) -> pb.GetInfoResponse:
         return self._unary(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
+
+    def tokenize(self, text: str | None = None, messages=None, enable_thinking: bool | None = None,
+                 timeout: float | None = None) -> TokenizeResult:
+        """``text`` or chat ``messages`` as the server encodes a submit's prompt: its
+        ``num_tokens`` is what that submit reports as num_prompt_tokens (nothing is queued)."""
+        req = tokenize_request(text, messages, enable_thinking)
+        return TokenizeResult.from_proto(self._unary(self._stub.Tokenize, req, timeout))
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool | None = None,
+                   timeout: float | None = None) -> str:
+        """The text of ``token_ids`` as output text is decoded (special tokens skipped unless
+        ``skip_special_tokens=False``)."""
+        req = detokenize_request(token_ids, skip_special_tokens)
+        return self._unary(self._stub.Detokenize, req, timeout).text
 
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         """"SERVING", "NOT_SERVING", ... of grpc.health.v1 (no token needed)."""

@@ -54,6 +54,43 @@ class Result:
     # Prompt tokens whose KV came from the server's prefix cache.
     num_cached_tokens: int = 0
 
+    @property
+    def usage(self) -> "Usage":
+        """The final event's token counts (zeros while the request has not ended)."""
+        return Usage(self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a request used, as its final event counts it (however it ended)."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int  # of prompt_tokens, those served from the prefix cache
+    completion_tokens: int  # all output tokens, also those before a replay's from_seq
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    """A prompt as the server's tokenizer encodes it for a submit (``Client.tokenize``)."""
+
+    token_ids: list[int]
+    # The model's context: a submit of this prompt may ask for at most
+    # max_position_embeddings - num_tokens new tokens.
+    max_position_embeddings: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """What a submit of this prompt reports as its num_prompt_tokens."""
+        return len(self.token_ids)
+
+    @classmethod
+    def from_proto(cls, resp: pb.TokenizeResponse) -> "TokenizeResult":
+        return cls(list(resp.token_ids), resp.max_position_embeddings)
+
 
 def stop_reason_of(ev: pb.Event) -> int | str | None:
     kind = ev.WhichOneof("stop_reason")
@@ -210,6 +247,38 @@ def submit_request(
         if value is not None:
             with _naming(name):
                 setattr(req, name, value)
+    return req
+
+
+def tokenize_request(
+    text: str | None = None,
+    messages: Iterable[Mapping[str, str] | tuple[str, str] | pb.ChatMessage] | None = None,
+    enable_thinking: bool | None = None,
+) -> pb.TokenizeRequest:
+    """A TokenizeRequest: ``text`` or chat ``messages`` as ``submit_request`` takes them
+    (neither: the empty prompt, zero tokens)."""
+    req = pb.TokenizeRequest()
+    if text is not None:
+        with _naming("text"):
+            req.text = text
+    if messages is not None:
+        req.messages.extend(_messages(messages))
+    if enable_thinking is not None:
+        with _naming("enable_thinking"):
+            req.enable_thinking = enable_thinking
+    return req
+
+
+def detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool | None = None) -> pb.DetokenizeRequest:
+    """A DetokenizeRequest; ``skip_special_tokens`` None: the server's default (True)."""
+    if isinstance(token_ids, (str, bytes)):
+        raise TypeError("token_ids must be a sequence of integers")
+    req = pb.DetokenizeRequest()
+    with _naming("token_ids"):
+        req.token_ids.extend(token_ids)
+    if skip_special_tokens is not None:
+        with _naming("skip_special_tokens"):
+            req.skip_special_tokens = skip_special_tokens
     return req
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 from qil_worker.errors import CapacityError
 from qil_worker.service import limits
 from qil_worker.service import protocol as P
+from qil_worker.service.calls_in_flight import CallsInFlight
 from qil_worker.service.errors import (
     ServiceError,
     already_exists,
@@ -79,6 +80,7 @@ class Front:
             events=self,
         )
         self.stats: P.PoolStats = P.EMPTY_STATS  # of the worker's latest batch
+        self._calls = CallsInFlight()  # Tokenize / Detokenize waiting for the worker
         self.num_requests_total = 0
         self.on_state_change: Callable[[WorkerState], Any] | None = None
         self.metrics: Any = None  # a metrics.Metrics when --metrics-port is given
@@ -130,9 +132,13 @@ class Front:
             self.metrics.on_step(batch.timing)
             self.metrics.on_stats(self.stats, self.num_unfinished)
 
+    def worker_answer(self, answer: P.Tokenized | P.Detokenized) -> None:
+        self._calls.answer(answer)
+
     def worker_lost(self, pid: int) -> None:
         log.error("worker process (pid %d) died; failing %d request(s)", pid, self.num_unfinished)
         self.requests.lose_all(WORKER_DIED)
+        self._calls.fail_all(unavailable(WORKER_DIED))
         self.stats = self.stats.all_free()
         if self.metrics is not None:
             self.metrics.on_stats(self.stats, self.num_unfinished)
@@ -278,6 +284,39 @@ class Front:
             )
             result.append((rid, active))
         return result
+
+    @property
+    def num_pending_calls(self) -> int:
+        """Tokenize / Detokenize calls waiting for the worker's answer."""
+        return len(self._calls)
+
+    async def tokenize(
+        self, text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None
+    ) -> list[int]:
+        """The ids of a prompt as a submit of it would get them (both None: no tokens)."""
+        answer = await self._tokenizer_call(lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking))
+        return answer.token_ids
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        answer = await self._tokenizer_call(
+            lambda call_id: P.Detokenize(call_id, token_ids, skip_special_tokens)
+        )
+        return answer.text
+
+    async def _tokenizer_call(self, make: Callable[[int], P.Tokenize | P.Detokenize]) -> Any:
+        """Send a call to the worker and wait for its answer; ServiceError for a refusal
+        (or UNAVAILABLE: the worker died). A caller that stops waiting leaves no entry."""
+        self.check_accepting()
+        call_id, answered = self._calls.open()
+        try:
+            self.supervisor.send(make(call_id))
+            answer = await answered
+        finally:
+            self._calls.close(call_id)
+        if answer.rejection is not None:
+            r = answer.rejection
+            raise from_worker_rejection(r.kind, r.field, r.message)
+        return answer
 
     # ---------------------------------------------------------------- shutdown
 

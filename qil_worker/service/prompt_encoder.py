@@ -9,6 +9,11 @@ one huge prompt on the thread delays no ordinary request. A long prompt's reques
 acknowledged to the front when it is encoded and the engine accepted it; a cancel that arrives
 before then ends it right after.
 
+The same thread answers long tokenizer calls (``Tokenize`` / ``Detokenize``, see
+``tokenizer_calls``): one queue, in arrival order, so neither kind overtakes the other and the
+loop waits on one set of futures. A call's answer needs no cancel: the front drops it when its
+caller is gone.
+
 The thread is a daemon: a worker told to stop exits at once instead of waiting for an encode
 nobody will use (a 16 MiB prompt takes many seconds). ``ThreadPoolExecutor``'s threads are
 joined when the process exits, so it is not used here.
@@ -21,9 +26,10 @@ import queue
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from qil_worker.service.protocol import Submit
+from qil_worker.service.protocol import Detokenize, Submit, Tokenize
+from qil_worker.service.tokenizer_calls import INLINE_IDS, prompt_chars
 from qil_worker.text.prompt import encode_prompt
 
 PROMPT_OPTIONS = ("text", "messages", "enable_thinking")  # consumed by encoding
@@ -40,9 +46,10 @@ class _Pending:
 class PromptEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._queue: queue.SimpleQueue[tuple[Future, tuple] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None  # started on first use
         self._pending: dict[str, _Pending] = {}
+        self._calls: list[Future] = []  # tokenizer calls under way, in arrival order
 
     def takes(self, options: dict[str, Any]) -> bool:
         """Whether a submit's prompt is text or messages longer than ``INLINE_CHARS`` that this
@@ -50,33 +57,47 @@ class PromptEncoder:
         messages, with its own clear error)."""
         if self._tokenizer is None:
             return False
-        text, messages = options.get("text"), options.get("messages")
-        if isinstance(text, str):
-            return len(text) > INLINE_CHARS
-        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
-            return sum(len(str(m.get("content", ""))) for m in messages) > INLINE_CHARS
-        return False
+        return prompt_chars(options.get("text"), options.get("messages")) > INLINE_CHARS
+
+    def takes_call(self, call: Tokenize | Detokenize) -> bool:
+        """Whether a tokenizer call is long enough for the thread (a text as ``takes``
+        counts it, or more than ``INLINE_IDS`` ids to decode)."""
+        if self._tokenizer is None:
+            return False
+        if isinstance(call, Tokenize):
+            return prompt_chars(call.text, call.messages) > INLINE_CHARS
+        return len(call.token_ids) > INLINE_IDS
 
     def start(self, submit: Submit) -> None:
         """Begin encoding the prompt of a ``Submit`` given as text or messages."""
         options = submit.options
+        encoded = self._enqueue(encode_prompt, self._tokenizer, options.get("text"),
+                                options.get("messages"), options.get("enable_thinking"))
+        self._pending[submit.request_id] = _Pending(submit, encoded)
+
+    def start_call(self, answer: Callable[..., Any], *args: Any) -> None:
+        """Run ``answer(*args)``, a tokenizer call's (``tokenizer_calls``; it never raises), on
+        the thread; its result comes out of ``answers``."""
+        self._calls.append(self._enqueue(answer, *args))
+
+    def _enqueue(self, fn: Callable[..., Any], *args: Any) -> Future:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="qil-tokenize", daemon=True)
             self._thread.start()
-        encoded: Future = Future()
-        self._queue.put((encoded, (options.get("text"), options.get("messages"), options.get("enable_thinking"))))
-        self._pending[submit.request_id] = _Pending(submit, encoded)
+        done: Future = Future()
+        self._queue.put((done, fn, args))
+        return done
 
     def _run(self) -> None:
-        """The encoding thread: one prompt at a time, in submission order, until ``close``."""
+        """The encoding thread: one job at a time, in submission order, until ``close``."""
         while (item := self._queue.get()) is not None:
-            encoded, (text, messages, enable_thinking) = item
-            if not encoded.set_running_or_notify_cancel():
+            done, fn, args = item
+            if not done.set_running_or_notify_cancel():
                 continue
             try:
-                encoded.set_result(encode_prompt(self._tokenizer, text, messages, enable_thinking))
+                done.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the loop with its submit
-                encoded.set_exception(exc)
+                done.set_exception(exc)
 
     def cancel(self, rid: str) -> bool:
         """A cancel for a request still being encoded: it ends as soon as it is submitted."""
@@ -88,12 +109,21 @@ class PromptEncoder:
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or bool(self._calls)
 
     def wait(self, timeout: float) -> bool:
-        """Block up to ``timeout`` for an encoding to finish; whether one has."""
-        done, _ = wait([p.encoded for p in self._pending.values()], timeout, FIRST_COMPLETED)
+        """Block up to ``timeout`` for an encoding or a call to finish; whether one has."""
+        futures = [p.encoded for p in self._pending.values()] + self._calls
+        done, _ = wait(futures, timeout, FIRST_COMPLETED)
         return bool(done)
+
+    def answers(self) -> list[Any]:
+        """The answers of the tokenizer calls done since the last call, in arrival order."""
+        done, running = [], []
+        for f in self._calls:  # (each future asked once: one may finish meanwhile)
+            (done if f.done() else running).append(f)
+        self._calls = running
+        return [f.result() for f in done]
 
     def finished(self) -> list[tuple[Submit, BaseException | None, bool]]:
         """``(submit, error, cancelled)`` for every prompt done since the last call, in
@@ -116,4 +146,6 @@ class PromptEncoder:
         """Drop what is still queued; an encode under way is abandoned with its daemon thread."""
         for pending in self._pending.values():
             pending.encoded.cancel()
+        for call in self._calls:
+            call.cancel()
         self._queue.put(None)

@@ -13,9 +13,11 @@ shared memory or a multiprocessing.Queue:
 * a Queue would add a feeder thread per side and hide a dead peer; a raw socket would need our own
   framing for no gain at these message sizes.
 
-Front → worker: ``Submit``, ``Cancel``, ``Stop``. Worker → front: ``Ready`` (or ``Fatal``) once,
-then one ``StepBatch`` per loop iteration that ran a step or answered a submit — never one
-message per token. Every batch carries the page pool's numbers after its step, and every change
+Front → worker: ``Submit``, ``Cancel``, ``Stop``, and the tokenizer calls ``Tokenize`` /
+``Detokenize``. Worker → front: ``Ready`` (or ``Fatal``) once, then one ``StepBatch`` per loop
+iteration that ran a step or answered a submit — never one message per token — and one
+``Tokenized`` / ``Detokenized`` per tokenizer call, under the call's id (the front drops an
+answer whose caller is gone). Every batch carries the page pool's numbers after its step, and every change
 of them comes from a submit or a step, so the front's latest batch is always current.
 
 This module is imported by the front and must stay torch-free: the worker maps the engine's
@@ -274,5 +276,45 @@ def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list
     )
 
 
-ToWorker = Submit | Cancel | Stop
-FromWorker = Ready | Fatal | StepBatch
+# ---------------------------------------------------------------- tokenizer calls (Tokenize RPCs)
+
+
+@message
+class Tokenize:
+    """Encode ``text`` or chat ``messages`` as a ``Submit``'s prompt would be; ``call_id`` keys
+    the answer (``Tokenized``) in the front. Both None: the empty prompt, zero tokens."""
+
+    call_id: int
+    text: str | None
+    messages: list[dict[str, str]] | None
+    enable_thinking: bool | None
+
+
+@message
+class Detokenize:
+    call_id: int
+    token_ids: list[int]
+    skip_special_tokens: bool
+
+
+@message
+class Tokenized:
+    """The answer to a ``Tokenize``: the ids, or why not."""
+
+    call_id: int
+    token_ids: list[int] | None
+    rejection: Rejection | None = None
+
+
+@message
+class Detokenized:
+    call_id: int
+    text: str | None
+    rejection: Rejection | None = None
+
+
+TOKENIZER_CALLS = (Tokenize, Detokenize)
+TOKENIZER_ANSWERS = (Tokenized, Detokenized)
+
+ToWorker = Submit | Cancel | Stop | Tokenize | Detokenize
+FromWorker = Ready | Fatal | StepBatch | Tokenized | Detokenized

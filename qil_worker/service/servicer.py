@@ -101,6 +101,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             reader.cancel()
             session.close()
 
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        await _reject_undecodable(request, context)
+        try:
+            ids = await self.front.tokenize(*_tokenize_args(request))
+        except ServiceError as err:
+            await err.abort(context)
+        info = self.front.info
+        return pb.TokenizeResponse(
+            token_ids=ids, num_tokens=len(ids),
+            max_position_embeddings=info.max_position_embeddings if info is not None else 0,
+        )
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        await _reject_undecodable(request, context)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        try:
+            text = await self.front.detokenize(list(request.token_ids), skip)
+        except ServiceError as err:
+            await err.abort(context)
+        return pb.DetokenizeResponse(text=text)
+
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         await _reject_undecodable(request, context)
         front = self.front
@@ -126,6 +147,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 enabled=info is not None and info.prefix_cache, hit_rate=stats.prefix_cache_hit_rate
             ),
         )
+
+
+def _tokenize_args(request: pb.TokenizeRequest) -> tuple[str | None, list[dict[str, str]] | None, bool | None]:
+    """(text, messages, enable_thinking) of ``front.tokenize``; proto3's empty text is none."""
+    if request.text and request.messages:
+        raise invalid("messages", "give text or messages, not both")
+    messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
+    thinking = request.enable_thinking if request.HasField("enable_thinking") else None
+    return request.text or None, messages, thinking
 
 
 def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:

@@ -27,6 +27,9 @@ class WorkerEvents(Protocol):
 
     def worker_batch(self, batch: P.StepBatch) -> None: ...
 
+    def worker_answer(self, answer: P.Tokenized | P.Detokenized) -> None:
+        """The answer to a tokenizer call."""
+
     def worker_lost(self, pid: int) -> None:
         """A ready worker died (not while stopping): its requests are gone with it."""
 
@@ -135,6 +138,8 @@ class WorkerSupervisor:
             return  # a message from a previous worker
         if isinstance(msg, P.StepBatch):
             self._events.worker_batch(msg)
+        elif isinstance(msg, P.TOKENIZER_ANSWERS):
+            self._events.worker_answer(msg)
         elif msg is None:
             self._on_worker_gone(worker)
         elif isinstance(msg, P.Ready):

@@ -14,7 +14,8 @@ Waking from idle, the worker keeps reading while messages follow each other clos
 refilling all its slots when a wave of requests ends together — then get one prefill step
 together instead of one request alone first and the rest a whole step later. A busy worker
 never waits: it takes whatever arrived while the step ran. Long text prompts are tokenized on
-a thread beside the loop (``prompt_encoder``), so a prompt of megabytes stalls no other stream.
+a thread beside the loop (``prompt_encoder``), so a prompt of megabytes stalls no other stream;
+so are long Tokenize / Detokenize calls (``tokenizer_calls``), short ones are answered in the loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
 from qil_worker.service.heap import freeze_startup_heap
 from qil_worker.service.prompt_encoder import PromptEncoder
+from qil_worker.service.tokenizer_calls import detokenize, tokenize
 
 log = logging.getLogger("qil.worker")
 
@@ -369,13 +371,29 @@ def _drain(conn: Any, engine: Any, encoder: PromptEncoder, burst_until: float) -
         elif isinstance(msg, P.Cancel):
             if not encoder.cancel(msg.request_id):
                 engine.cancel(msg.request_id)
+        elif isinstance(msg, P.TOKENIZER_CALLS):
+            _tokenizer_call(conn, engine, encoder, msg)
         elif isinstance(msg, P.Stop):
             return None
+    for answer in encoder.answers():
+        conn.send(answer)
     for msg, error, cancelled in encoder.finished():
         acks.append(submit(engine, msg, error))
         if cancelled:
             engine.cancel(msg.request_id)
     return acks
+
+
+def _tokenizer_call(conn: Any, engine: Any, encoder: PromptEncoder, call: P.Tokenize | P.Detokenize) -> None:
+    """Answer a Tokenize / Detokenize now, or on the encoding thread when it is long."""
+    if isinstance(call, P.Tokenize):
+        answer, args = tokenize, (engine.tokenizer, call)
+    else:
+        answer, args = detokenize, (engine.tokenizer, engine.model.config.vocab_size, call)
+    if encoder.takes_call(call):
+        encoder.start_call(answer, *args)  # answered by ``_drain`` once done
+    else:
+        conn.send(answer(*args))
 
 
 def _loop(conn: Any, engine: Any, parent_pid: int, encoder: PromptEncoder) -> int:

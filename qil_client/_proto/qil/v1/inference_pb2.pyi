@@ -333,3 +333,37 @@ class GetInfoResponse(_message.Message):
     num_requests_total: int
     prefix_cache: PrefixCacheInfo
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., limits: _Optional[_Union[EngineLimits, _Mapping]] = ..., pages: _Optional[_Union[PagePool, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., num_unfinished: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "messages", "enable_thinking")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    enable_thinking: bool
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "num_tokens", "max_position_embeddings")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    max_position_embeddings: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids", "skip_special_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

@@ -60,6 +60,16 @@ class InferenceStub:
                 request_serializer=qil_dot_v1_dot_inference__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=qil_dot_v1_dot_inference__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/qil.v1.Inference/Tokenize',
+                request_serializer=qil_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=qil_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/qil.v1.Inference/Detokenize',
+                request_serializer=qil_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=qil_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -107,6 +117,22 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Text or chat messages → token ids with the server's tokenizer, exactly as a Submit of the
+        same prompt encodes it: num_tokens equals that Submit's num_prompt_tokens. Nothing is
+        queued. FAILED_PRECONDITION without a tokenizer (messages: without a chat template).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids → text with the server's tokenizer. FAILED_PRECONDITION without a tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +160,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=qil_dot_v1_dot_inference__pb2.GetInfoRequest.FromString,
                     response_serializer=qil_dot_v1_dot_inference__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=qil_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=qil_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=qil_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=qil_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +307,60 @@ class Inference:
             '/qil.v1.Inference/GetInfo',
             qil_dot_v1_dot_inference__pb2.GetInfoRequest.SerializeToString,
             qil_dot_v1_dot_inference__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qil.v1.Inference/Tokenize',
+            qil_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            qil_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qil.v1.Inference/Detokenize',
+            qil_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            qil_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
