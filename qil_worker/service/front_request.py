@@ -34,7 +34,7 @@ class FrontRequest:
 
     __slots__ = (
         "rid", "prompt_len", "tokens", "texts", "logprobs", "top", "final_text", "final", "lost",
-        "_listeners",
+        "cached_tokens", "_listeners",
     )
 
     def __init__(self, rid: str, prompt_len: int) -> None:
@@ -47,6 +47,7 @@ class FrontRequest:
         self.final_text = ""  # text released by the end itself (no token of its own)
         self.final: FinalRecord | None = None  # how it ended, once it has
         self.lost = False  # ended because the worker died
+        self.cached_tokens = 0  # prompt tokens from the prefix cache, once its first token came
         self._listeners: set[Listener] = set()
 
     def listen(self, listener: Listener) -> None:
@@ -104,7 +105,8 @@ class FrontRequest:
     def _error_record(self, error: str) -> FinalRecord:
         return FinalRecord(
             reason=FinishReason.ERROR, error=error, num_prompt_tokens=self.prompt_len,
-            num_output_tokens=len(self.tokens), num_cached_tokens=0, stop_reason=None, metrics=None,
+            num_output_tokens=len(self.tokens), num_cached_tokens=self.cached_tokens, stop_reason=None,
+            metrics=None,
         )
 
 

@@ -231,7 +231,9 @@ class StepBatch:
     step): ``token_ids[i]`` is -1 for an end that produced no token, ``texts[i]`` None without a
     tokenizer, ``logprobs[i]`` / ``top_logprobs[i]`` None when not asked for. A request that
     ended in this step has its ``finals`` entry. Columns pickle as a handful of lists, where a
-    record per event would cost one object per token on both sides of the pipe.
+    record per event would cost one object per token on both sides of the pipe. ``cached``: the
+    prompt tokens served from the prefix cache of each request whose first token is in this
+    batch (so the front has them should the worker die before the request's final record).
     """
 
     acks: list[Ack]
@@ -243,6 +245,7 @@ class StepBatch:
     finals: dict[str, FinalRecord]
     stats: PoolStats
     timing: StepTiming | None  # None: the iteration ran no step (only acks)
+    cached: dict[str, int]
 
     def __reduce__(self) -> tuple:
         # Pickled as plain values under one reconstructor: each class a pickle names costs an
@@ -256,6 +259,7 @@ class StepBatch:
              for rid, f in self.finals.items()},
             _STATS(self.stats),
             None if self.timing is None else (self.timing.seconds, self.timing.batch_size),
+            self.cached,
         ))
 
 
@@ -264,7 +268,7 @@ _STATS = operator.attrgetter(*(f.name for f in fields(PoolStats)))
 
 
 def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list, tops: list,
-                finals: dict, stats: tuple, timing: tuple | None) -> StepBatch:
+                finals: dict, stats: tuple, timing: tuple | None, cached: dict) -> StepBatch:
     """``StepBatch.__reduce__`` undone."""
     return StepBatch(
         [Ack(rid, n, None if r is None else Rejection(RejectKind(r[0]), r[1], r[2])) for rid, n, r in acks],
@@ -273,6 +277,7 @@ def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list
          for rid, f in finals.items()},
         PoolStats(*stats),
         None if timing is None else StepTiming(*timing),
+        cached,
     )
 
 

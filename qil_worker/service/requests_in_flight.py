@@ -81,6 +81,10 @@ class RequestsInFlight:
                 fut.set_result(ack)
         finals = batch.finals
         requests = self._requests
+        for rid, cached in batch.cached.items():  # (before the events: a listener may read it)
+            req = requests.get(rid)
+            if req is not None:
+                req.cached_tokens = cached
         for rid, token, text, logprob, top in zip(
             batch.request_ids, batch.token_ids, batch.texts, batch.logprobs, batch.top_logprobs
         ):

@@ -316,14 +316,19 @@ def final_record(result: Any) -> P.FinalRecord:
     )
 
 
-def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.StepTiming | None) -> P.StepBatch:
-    """One loop iteration's acks and engine events → the batch the front gets."""
+def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.StepTiming | None,
+               engine: Any = None) -> P.StepBatch:
+    """One loop iteration's acks and engine events → the batch the front gets (``engine``:
+    where the cached prompt tokens of requests with their first token are read)."""
     finals = {}
+    cached = {}
     for ev in events:
         if ev.result is not None:
             if ev.error:
                 log.warning("request failed: %s", ev.error, extra={"request_id": ev.request_id})
             finals[ev.request_id] = final_record(ev.result)
+        elif ev.index == 0 and ev.token_id is not None and engine is not None:
+            cached[ev.request_id] = int(engine.result(ev.request_id).num_cached_tokens)
     return P.StepBatch(
         acks=acks,
         request_ids=[ev.request_id for ev in events],
@@ -334,6 +339,7 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
         finals=finals,
         stats=stats,
         timing=timing,
+        cached=cached,
     )
 
 
@@ -414,7 +420,7 @@ def _loop(conn: Any, engine: Any, parent_pid: int, encoder: PromptEncoder) -> in
             timing = P.StepTiming(time.perf_counter() - t0, len({ev.request_id for ev in events}))
         if acks or timing is not None:
             # (a step without events, a prompt chunk, still changes the pool's numbers)
-            conn.send(step_batch(acks, events, pool_stats(engine), timing))
+            conn.send(step_batch(acks, events, pool_stats(engine), timing, engine))
         if engine.device_failure is not None:
             # every later step would fail too: exit, and the front starts a fresh worker
             log.error("the device is unusable (%s); the worker exits to be restarted", engine.device_failure)
