@@ -154,6 +154,24 @@ def test_ids_outside_the_vocabulary_are_invalid_argument_naming_token_ids(client
     assert client.detokenize([vocab - 1]) is not None  # the last id is in
 
 
+def test_an_answer_over_the_message_limit_is_resource_exhausted(client, monkeypatch):
+    """A request under the limit can expand past it; the limit is lowered here (the front runs
+    in this process) so that a small request shows it."""
+    from qil_client import ResourceExhausted
+    from qil_worker.service import limits
+
+    ids = client.tokenize("the quick brown fox jumps over the lazy dog " * 40).token_ids
+    text = client.detokenize(ids)
+    monkeypatch.setattr(limits, "MAX_MESSAGE_BYTES", min(len(ids), len(text)) - 8)
+    with pytest.raises(ResourceExhausted) as exc:
+        client.tokenize(text)
+    assert "message limit" in exc.value.details
+    with pytest.raises(ResourceExhausted):
+        client.detokenize(ids)
+    monkeypatch.undo()
+    assert client.detokenize(ids) == text
+
+
 def test_the_async_client(server, tokenizer):
     async def run():
         async with AsyncClient(server.target, timeout=60) as c:

@@ -12,7 +12,7 @@ from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_worker.service import limits
 from qil_worker.service.decoding import Undecodable
-from qil_worker.service.errors import ServiceError, invalid, unavailable
+from qil_worker.service.errors import ServiceError, invalid, resource_exhausted, unavailable
 from qil_worker.service.front import Front
 from qil_worker.service.protocol import WorkerInfo
 from qil_worker.service.requests import submit_to
@@ -108,10 +108,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ServiceError as err:
             await err.abort(context)
         info = self.front.info
-        return pb.TokenizeResponse(
+        resp = pb.TokenizeResponse(
             token_ids=ids, num_tokens=len(ids),
             max_position_embeddings=info.max_position_embeddings if info is not None else 0,
         )
+        return await _within_message_limit(resp, context)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         await _reject_undecodable(request, context)
@@ -120,7 +121,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             text = await self.front.detokenize(list(request.token_ids), skip)
         except ServiceError as err:
             await err.abort(context)
-        return pb.DetokenizeResponse(text=text)
+        return await _within_message_limit(pb.DetokenizeResponse(text=text), context)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         await _reject_undecodable(request, context)
@@ -147,6 +148,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 enabled=info is not None and info.prefix_cache, hit_rate=stats.prefix_cache_hit_rate
             ),
         )
+
+
+async def _within_message_limit(resp, context: grpc.aio.ServicerContext):
+    """``resp``, or RESOURCE_EXHAUSTED with a reason when it exceeds the message limit (a
+    request under the limit can expand past it: one id per byte of an odd text, say)."""
+    size = resp.ByteSize()
+    if size > limits.MAX_MESSAGE_BYTES:
+        await resource_exhausted(
+            f"the answer would be {size} bytes, over the {limits.MAX_MESSAGE_BYTES}-byte message "
+            "limit: send less at once"
+        ).abort(context)
+    return resp
 
 
 def _tokenize_args(request: pb.TokenizeRequest) -> tuple[str | None, list[dict[str, str]] | None, bool | None]:
