@@ -154,3 +154,13 @@ def stop_server_process(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
+
+
+def start_http_server(model_dir: Path | str | None, engine: dict | None = None, **kw: Any) -> ServerThread:
+    """``start_server`` with the OpenAI-compatible HTTP API on a free port too
+    (``srv.http_port``; ``http_base_url(srv)`` for an OpenAI client)."""
+    return start_server(model_dir, engine, http_port=0, **kw)
+
+
+def http_base_url(srv: ServerThread) -> str:
+    return f"http://127.0.0.1:{srv.http_port}/v1"

@@ -19,6 +19,20 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIXES = tuple(f"/{name}/" for name in REFLECTION_SERVICES)
 
 
+def bearer_token_matches(values: list[str | bytes], expected: bytes) -> bool:
+    """The check of both fronts (gRPC metadata, HTTP headers) on the ``authorization`` values
+    of one call: exactly one, as two would leave the choice to whichever the server reads
+    first. The scheme is case-insensitive (RFC 7235), the token compared exactly, in constant
+    time."""
+    if len(values) != 1:
+        return False
+    value = values[0].encode() if isinstance(values[0], str) else bytes(values[0])
+    scheme, _, credentials = value.partition(b" ")
+    if scheme.lower() != b"bearer":
+        return False
+    return hmac.compare_digest(credentials.lstrip(b" "), expected)
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """``open_reflection``: reflection answers without the token too (it describes the public
     protocol only), so that grpcurl can list the services and call health without it."""
@@ -30,16 +44,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._open = (HEALTH_PREFIX, *REFLECTION_PREFIXES) if open_reflection else (HEALTH_PREFIX,)
 
     def _authorized(self, metadata) -> bool:
-        """Exactly one ``authorization`` header: two would leave the choice to whichever the
-        server reads first. The scheme is case-insensitive (RFC 7235), the token compared exactly."""
         values = [value for key, value in metadata or () if key == "authorization"]
-        if len(values) != 1:
-            return False
-        value = values[0].encode() if isinstance(values[0], str) else bytes(values[0])
-        scheme, _, credentials = value.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        return hmac.compare_digest(credentials.lstrip(b" "), self._expected)
+        return bearer_token_matches(values, self._expected)
 
     async def intercept_service(
         self,

@@ -134,6 +134,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "default: off)",
     )
     p.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (default: --host)")
+    p.add_argument(
+        "--http-port", type=_port, default=None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health; /metrics with --metrics-port) on this port, same front and auth "
+        "(needs aiohttp: pip install 'qil[http]'; default: off)",
+    )
+    p.add_argument("--http-host", default=None, help="address of the HTTP API (default: --host)")
+    p.add_argument(
+        "--served-model-name", default=None,
+        help="the model's name in the HTTP API (default: the model directory's name; qil-demo "
+        "for the embedded demo)",
+    )
 
 
 _UNITS = {
@@ -202,6 +214,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         tls_client_ca=args.tls_client_ca,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        http_port=args.http_port,
+        http_host=args.http_host,
+        served_model_name=args.served_model_name,
         front=FrontConfig(
             model=args.model,
             device=args.device,
@@ -243,6 +258,13 @@ def run_serve(args: argparse.Namespace) -> int:
             require_prometheus()
         except MetricsUnavailable as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.http_port is not None:
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError:
+            print("error: --http-port needs aiohttp: pip install 'qil[http]' (or pip install aiohttp)",
+                  file=sys.stderr)
             return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)

@@ -90,3 +90,60 @@ def resource_exhausted(message: str) -> ServiceError:
 
 def unauthenticated() -> ServiceError:
     return ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+
+# ---------------------------------------------------------------- the HTTP (OpenAI) front
+
+# status code → (HTTP status, the OpenAI error ``type``)
+_CODE_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+class HttpError(ServiceError):
+    """A failure that only the HTTP front has (a body too large, a route without that method):
+    its own HTTP status, the closest gRPC code for the rest."""
+
+    def __init__(self, status: int, error_type: str, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, param)
+        self.status = status
+        self.error_type = error_type
+        self.error_code = code
+
+
+def http_status(err: ServiceError) -> int:
+    if isinstance(err, HttpError):
+        return err.status
+    return _CODE_TO_HTTP.get(err.code, (500, "internal_error"))[0]
+
+
+def openai_error(err: ServiceError) -> dict:
+    """The body of an error answer in the OpenAI API's shape: ``{"error": {"message", "type",
+    "param", "code"}}``; ``param`` names the request's parameter at fault, ``code`` is the
+    gRPC status name (or the API's own code: ``model_not_found``)."""
+    if isinstance(err, HttpError):
+        kind, code = err.error_type, err.error_code
+    else:
+        kind = _CODE_TO_HTTP.get(err.code, (500, "internal_error"))[1]
+        code = err.code.name.lower()
+    return {"error": {"message": err.message, "type": kind, "param": err.field, "code": code}}
+
+
+def unknown_model(name: str, served: str) -> HttpError:
+    return HttpError(404, "invalid_request_error", f"the model {name!r} does not exist; this server "
+                     f"serves {served!r}", "model", "model_not_found")
+
+
+def internal(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INTERNAL, message)

@@ -42,6 +42,9 @@ class ServeConfig:
     tls_client_ca: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
     metrics_host: str | None = None  # default: host
+    http_port: int | None = None  # the OpenAI-compatible HTTP API on this port (None: off)
+    http_host: str | None = None  # default: host
+    served_model_name: str | None = None  # the model's name in the HTTP API (default: its directory's)
 
 
 def _bind(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials | None) -> int:
@@ -67,6 +70,8 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.metrics = None
+        self.http = None  # an http.site.HttpSite with --http-port
+        self.http_port = 0
 
     async def start(self) -> int:
         cfg = self.config
@@ -112,6 +117,14 @@ class Server:
             raise
         await server.start()
         self._grpc = server
+        if cfg.http_port is not None:
+            try:
+                await self._start_http()
+            except OSError:
+                await server.stop(0)
+                if self.metrics is not None:
+                    self.metrics.close()
+                raise
         log.info("qil listening on %s:%d (loading the model)", cfg.host, self.port)
 
         def on_state(state: WorkerState) -> None:
@@ -122,6 +135,8 @@ class Server:
             await self.front.start()
         except BaseException:
             await server.stop(0)
+            if self.http is not None:
+                await self.http.stop()
             if self.metrics is not None:
                 self.metrics.close()
             raise
@@ -130,14 +145,37 @@ class Server:
         await self.health.set_serving(True)
         return self.port
 
+    async def _start_http(self) -> None:
+        """The OpenAI-compatible API beside gRPC, on this loop, over the same front (its
+        library is imported only here: a gRPC-only front never loads it)."""
+        from qil_worker.service.http.site import HttpContext, HttpSite, served_model_name
+        from qil_worker.service.http.token_strings import TokenStrings
+
+        cfg = self.config
+        ctx = HttpContext(
+            front=self.front,
+            health=self.health,
+            model_name=served_model_name(cfg.front.model, cfg.served_model_name),
+            token_strings=TokenStrings(self.front),
+            auth_token=cfg.auth_token.encode() if cfg.auth_token else None,
+            metrics=self.metrics,
+        )
+        # an IPv6 --host is written [::1] for gRPC; the HTTP server wants it bare
+        self.http = HttpSite(ctx, (cfg.http_host or cfg.host).strip("[]"), cfg.http_port)
+        self.http_port = await self.http.start()
+        log.info("OpenAI-compatible HTTP API on %s:%d", self.http.host, self.http_port)
+
     async def shutdown(self) -> None:
-        """NOT_SERVING, stop accepting, grace period, cancel the rest, stop the worker."""
+        """NOT_SERVING, stop accepting, grace period (gRPC and HTTP calls alike), cancel the rest,
+    stop both sites, stop the worker."""
         if self._stopped.is_set():
             return
         await self.health.shutdown()
         left = await self.front.drain(self.config.grace_seconds)
         if left:
             log.info("cancelled %d request(s) left after the grace period", left)
+        if self.http is not None:
+            await self.http.stop()
         if self._grpc is not None:
             await self._grpc.stop(1.0)
         await self.front.stop_worker()
@@ -170,13 +208,14 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None, announce
     except WorkerFailed as exc:
         log.error("the worker could not start: %s", exc)
         return 2
-    except OSError as exc:  # a port in use (gRPC or metrics)
+    except OSError as exc:  # a port in use (gRPC, HTTP or metrics)
         log.error("cannot start the server: %s", exc)
         return 2
     log.debug("front: %d start-up objects frozen for the GC", freeze_startup_heap())
     demo = " (embedded DEMO model: random weights)" if server.front.info and server.front.info.demo else ""
     try:
-        announce(f"qil serving on {config.host}:{port}{demo}")  # (a closed stdout raises here)
+        http = f" (HTTP on {server.http.host}:{server.http_port})" if server.http is not None else ""
+        announce(f"qil serving on {config.host}:{port}{demo}{http}")  # (a closed stdout raises here)
         await stop.wait()
     finally:
         log.info("shutting down (grace %.1fs)", config.grace_seconds)
@@ -192,6 +231,7 @@ class ServerThread:
         self.config = config
         self.server: Server | None = None
         self.port = 0
+        self.http_port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -218,6 +258,7 @@ class ServerThread:
         self.server = Server(self.config)
         try:
             self.port = await self.server.start()
+            self.http_port = self.server.http_port
         except BaseException as exc:  # noqa: BLE001
             self._error = exc
             self._ready.set()

@@ -137,6 +137,14 @@ class Subscription:
         ev, self.cursor, self.done = build_event(self.req, self.cursor)
         return ev
 
+    def advance(self) -> tuple[int, int]:
+        """Take the cursor to the end of the log without building an event; returns the slice
+        ``(start, end)`` of the log now to be written (the HTTP front builds its own chunks)."""
+        start = self.cursor
+        self.cursor = len(self.req.tokens)
+        self.done = self.req.final is not None
+        return start, self.cursor
+
     def written(self) -> None:
         self._written = self.cursor
 

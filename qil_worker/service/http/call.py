@@ -1,0 +1,149 @@
+"""One completions or chat call from body to answer, whichever the endpoint: parse, check the
+model, submit its requests, then either wait for them and answer once, or stream their chunks
+as server-sent events. The endpoint (``completions.Completions``, ``chat.Chat``) says how a
+choice looks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from aiohttp import web
+
+from qil_worker.service.errors import ServiceError, http_status, invalid, openai_error, unknown_model
+from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.http.choices import Choices, request_failure, submit_all
+from qil_worker.service.http.params import CallParams, param_of
+from qil_worker.service.http.shapes import created, ids_for_strings, new_id, usage
+from qil_worker.service.http.sse import EventStream
+
+if TYPE_CHECKING:
+    from qil_worker.service.http.site import HttpContext
+
+# a body not received within this long ends the call (a client trickling bytes holds a handler)
+BODY_TIMEOUT_S = 60.0
+
+
+class Endpoint(Protocol):
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    chat: bool
+    id_prefix: str
+    object_name: str
+    chunk_object: str
+
+    def parse(self, body: dict) -> CallParams: ...
+
+    async def prepare(self, ctx: "HttpContext", params: CallParams) -> Any:
+        """Work before the submit (the call's own state, passed back below)."""
+
+    def opening_chunks(self, state: Any, count: int) -> list[dict]: ...
+
+    def chunk_choice(self, state: Any, index: int, req: FrontRequest, start: int, end: int,
+                     strings: dict[int, str] | None) -> dict: ...
+
+    def full_choice(self, state: Any, index: int, req: FrontRequest,
+                    strings: dict[int, str] | None) -> dict: ...
+
+
+async def read_body(request: web.Request) -> dict:
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise invalid("body", f"not received within {BODY_TIMEOUT_S:g}s") from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid("body", f"not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid("body", "must be a JSON object")
+    return body
+
+
+def with_api_param(err: ServiceError, chat: bool) -> ServiceError:
+    """The engine's field names (max_new_tokens...) → the API's (max_tokens...)."""
+    err.field = param_of(err.field, chat)
+    return err
+
+
+async def handle(ctx: "HttpContext", request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    body = await read_body(request)
+    params = endpoint.parse(body)
+    if params.model is not None and params.model != ctx.model_name:
+        raise unknown_model(params.model, ctx.model_name)
+    front = ctx.front
+    try:
+        state = await endpoint.prepare(ctx, params)
+        reqs = await submit_all(front, params, new_id(endpoint.id_prefix))
+    except ServiceError as err:
+        raise with_api_param(err, endpoint.chat) from None
+    choices = Choices(front, reqs)
+    head = {"id": reqs[0].rid.rsplit("-", 1)[0], "object": endpoint.object_name, "created": created(),
+            "model": ctx.model_name}
+    first = reqs[:: params.n]
+    try:
+        if params.stream:
+            return await _stream(ctx, request, endpoint, params, state, choices, head, first)
+        await choices.wait()
+        for req in reqs:
+            failure = request_failure(req)
+            if failure is not None:
+                raise failure
+        strings = await _strings(ctx, params, reqs, [(r, 0, len(r.tokens)) for r in reqs])
+        return web.json_response(
+            {**head, "choices": [endpoint.full_choice(state, i, r, strings) for i, r in enumerate(reqs)],
+             "usage": usage(first, reqs)},
+            dumps=_dumps,
+        )
+    finally:
+        choices.close()
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def _strings(ctx: "HttpContext", params: CallParams, reqs: list[FrontRequest],
+                   spans: list[tuple[FrontRequest, int, int]]) -> dict[int, str] | None:
+    if params.top_logprobs is None:
+        return None
+    wanted: set[int] = set()
+    for req, start, end in spans:
+        wanted |= ids_for_strings(req, start, end)
+    return await ctx.token_strings.of(wanted)
+
+
+async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, params: CallParams,
+                  state: Any, choices: Choices, head: dict, first: list[FrontRequest]) -> web.StreamResponse:
+    events = EventStream(request, choices.writes)
+    await events.open()
+    extra = {"usage": None} if params.include_usage else {}
+    for chunk in endpoint.opening_chunks(state, len(choices.reqs)):
+        await events.send({**head, "object": endpoint.chunk_object, "choices": [chunk], **extra})
+    try:
+        async for index, start, end in choices.updates():
+            req = choices.reqs[index]
+            strings = await _strings(ctx, params, choices.reqs, [(req, start, end)])
+            failure = request_failure(req)
+            if failure is not None:
+                raise failure
+            choice = endpoint.chunk_choice(state, index, req, start, end, strings)
+            await events.send({**head, "object": endpoint.chunk_object, "choices": [choice], **extra})
+    except ServiceError as err:
+        # the status line went out with the first chunk: the error is an event of the stream
+        await events.send(openai_error(err))
+        await events.close()
+        return events.response
+    if params.include_usage:
+        await events.send({**head, "object": endpoint.chunk_object, "choices": [],
+                           "usage": usage(first, choices.reqs)})
+    await events.close()
+    return events.response
+
+
+def error_response(err: ServiceError) -> web.Response:
+    return web.json_response(openai_error(err), status=http_status(err), dumps=_dumps)
+
+
+Handler = Callable[[web.Request], Any]

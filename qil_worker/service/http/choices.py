@@ -1,0 +1,142 @@
+"""The requests of one HTTP call (its prompts x ``n``), submitted together and followed
+together through ``streams.Subscription`` (the gRPC streams' reader of a request's log, with
+its backlog bound), and cancelled when the call ends early (a client gone mid-stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from qil_worker.service.errors import ServiceError, unavailable
+from qil_worker.service.front import Front
+from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.http.params import CallParams, Prompt
+from qil_worker.service.protocol import FinishReason
+from qil_worker.service.streams import (
+    Subscription,
+    WriteClock,
+    backlog_bound,
+    backlog_error,
+    stream_fell_behind,
+)
+
+import grpc
+
+log = logging.getLogger("qil.http")
+
+
+def _prompt_options(prompt: Prompt) -> dict:
+    if prompt.text is not None:
+        return {"text": prompt.text}
+    if prompt.messages is not None:
+        return {"messages": prompt.messages}
+    return {}
+
+
+async def submit_all(front: Front, params: CallParams, call_id: str) -> list[FrontRequest]:
+    """One request per prompt and sample, choice ``i`` = prompt ``i // n``, sample ``i % n``
+    (the API's order). All or none: when one is refused the others are cancelled and the
+    refusal raised. Sample ``j`` of a seeded call is seeded ``seed + j``, so the samples differ
+    and the call is still reproducible."""
+    jobs = []
+    for p, prompt in enumerate(params.prompts):
+        for j in range(params.n):
+            options = dict(params.options, **_prompt_options(prompt))
+            if j and "seed" in options:
+                options["seed"] = options["seed"] + j
+            rid = f"{call_id}-{p * params.n + j}"
+            jobs.append(front.submit(rid, prompt.token_ids, params.max_new_tokens,
+                                     params.stop_token_ids, options))
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for r in results:
+            if isinstance(r, FrontRequest):
+                front.cancel_nowait(r.rid)
+        raise failed[0]
+    return results  # type: ignore[return-value]
+
+
+def request_failure(req: FrontRequest) -> ServiceError | None:
+    """The error a request ended with (None: it did not)."""
+    final = req.final
+    if final is None or final.reason is not FinishReason.ERROR:
+        return None
+    if req.lost:
+        return unavailable(final.error or "worker process died")
+    return ServiceError(grpc.StatusCode.INTERNAL, final.error or "the request failed")
+
+
+class Choices:
+    """Followers of the requests of one call; ``updates()`` yields ``(choice, start, end)`` as
+    they produce, ``close()`` cancels the ones not over."""
+
+    def __init__(self, front: Front, reqs: list[FrontRequest]) -> None:
+        self.front = front
+        self.reqs = reqs
+        self.writes = WriteClock()  # one HTTP response: all choices share its writes
+        self._bound = backlog_bound(front)
+        self._news = asyncio.Event()
+        self._dirty: dict[int, None] = {}
+        self._fault: ServiceError | None = None
+        self.subs = [
+            Subscription(req, 0, self._bound, self.writes, self._on_news(i), self._behind)
+            for i, req in enumerate(reqs)
+        ]
+        for i in range(len(reqs)):
+            self._dirty[i] = None
+
+    def _on_news(self, index: int):
+        def news(sub: Subscription) -> None:
+            if sub.lost and self._fault is None:
+                self._fault = unavailable("worker process died")
+            self._dirty[index] = None
+            self._news.set()
+
+        return news
+
+    def _behind(self, sub: Subscription) -> None:
+        if self._fault is None:
+            assert self._bound is not None
+            self._fault = backlog_error(self._bound)
+            stream_fell_behind(self.front, [r.rid for r in self.reqs if r.final is None], self._bound)
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.subs)
+
+    async def updates(self) -> AsyncIterator[tuple[int, int, int]]:
+        """``(choice, start, end)``: tokens ``start:end`` of that choice are new (``start ==
+        end``: only its end is); ServiceError when the worker died or the reader fell behind."""
+        while True:
+            if self._fault is not None:
+                raise self._fault
+            while self._dirty:
+                index = next(iter(self._dirty))
+                del self._dirty[index]
+                sub = self.subs[index]
+                if sub.done:
+                    continue
+                start, end = sub.advance()
+                if end > start or sub.done:
+                    yield index, start, end
+                    sub.written()
+                if self._fault is not None:
+                    raise self._fault
+            if self.done:
+                return
+            await self._news.wait()
+            self._news.clear()
+
+    async def wait(self) -> None:
+        """Until every request is over (non-streaming calls)."""
+        async for _ in self.updates():
+            pass
+
+    def close(self) -> None:
+        for sub in self.subs:
+            sub.close()
+        for req in self.reqs:
+            if req.final is None and self.front.cancel_nowait(req.rid):
+                log.info("HTTP call ended early: cancelling", extra={"request_id": req.rid})

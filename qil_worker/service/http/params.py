@@ -1,0 +1,336 @@
+"""A request body of the OpenAI API → what the front's ``submit`` takes.
+
+Only types and shapes are checked here, each failure naming the API's parameter; value ranges
+are the engine's to check (once, for both fronts), and ``param_of`` maps the engine's field
+names back to the API's parameter names for its messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from qil_worker.service import limits
+from qil_worker.service.errors import invalid
+
+# prompts x n of one call: each is a request in the engine
+MAX_CHOICES = 256
+
+# body parameter → (Engine.submit keyword, type) for those that pass straight through; the
+# extras after the first five are vLLM's
+_SAMPLING = {
+    "temperature": ("temperature", float),
+    "top_p": ("top_p", float),
+    "presence_penalty": ("presence_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float),
+    "seed": ("seed", int),
+    "top_k": ("top_k", int),
+    "min_p": ("min_p", float),
+    "repetition_penalty": ("repetition_penalty", float),
+    "min_tokens": ("min_new_tokens", int),
+    "ignore_eos": ("ignore_eos", bool),
+    "skip_special_tokens": ("skip_special_tokens", bool),
+    "include_stop_str_in_output": ("include_stop_string", bool),
+}
+# the API's default where it differs from the engine's (greedy)
+DEFAULT_TEMPERATURE = 1.0
+# The API's defaults of max_tokens: 16 for completions; for chat, the rest of the context.
+COMPLETIONS_MAX_TOKENS = 16
+
+# parameters of the API that this server does not implement: refused unless left at their
+# neutral value, so that a caller relying on one learns at once
+_UNSUPPORTED_UNLESS = {
+    "suffix": (None,),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+}
+
+# constraints whose engine support is not merged yet: refused, naming the parameter
+PENDING: dict[str, str] = {}
+
+
+def param_of(engine_field: str | None, chat: bool) -> str | None:
+    """The API parameter behind an engine field (for error messages)."""
+    if engine_field is None:
+        return None
+    names = {
+        "max_new_tokens": "max_completion_tokens" if chat else "max_tokens",
+        "min_new_tokens": "min_tokens",
+        "stop_strings": "stop",
+        "token_ids": "messages" if chat else "prompt",
+        "text": "prompt",
+        "prompt": "messages" if chat else "prompt",
+        "top_logprobs": "top_logprobs" if chat else "logprobs",
+        "include_stop_string": "include_stop_str_in_output",
+        "enable_thinking": "chat_template_kwargs",
+    }
+    return names.get(engine_field, engine_field)
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int] | None = None  # or
+    text: str | None = None  # or
+    messages: list[dict[str, str]] | None = None
+
+
+@dataclass
+class CallParams:
+    """What one completions or chat call asks for, endpoint-neutral."""
+
+    model: str | None
+    prompts: list[Prompt]
+    n: int
+    stream: bool
+    include_usage: bool
+    max_new_tokens: int | None  # None: the rest of the context (chat's default)
+    stop_token_ids: list[int]
+    options: dict[str, Any] = field(default_factory=dict)  # shared by every request of the call
+    top_logprobs: int | None = None  # None: no logprobs
+    echo: bool = False
+
+
+def _get(body: dict, name: str, kind: type, default: Any = None) -> Any:
+    """``body[name]`` of type ``kind`` (null or absent: ``default``); ints pass as floats,
+    booleans never as numbers."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise invalid(name, f"must be {_TYPE_NAMES[kind]}, got {type(value).__name__}")
+    return value
+
+
+_TYPE_NAMES = {float: "a number", int: "an integer", bool: "a boolean", str: "a string",
+               dict: "an object", list: "an array"}
+
+
+def _token_ids(value: Any, name: str) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    return None
+
+
+def completion_prompts(body: dict) -> list[Prompt]:
+    """``prompt``: a string, a list of strings, a list of token ids, or a list of such lists."""
+    value = body.get("prompt")
+    shape = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(value, str):
+        return [Prompt(text=value)]
+    if not isinstance(value, list) or not value:
+        raise invalid("prompt", f"must be {shape} (non-empty)")
+    ids = _token_ids(value, "prompt")
+    if ids is not None:
+        return [Prompt(token_ids=ids)]
+    if all(isinstance(p, str) for p in value):
+        return [Prompt(text=p) for p in value]
+    lists = [_token_ids(p, "prompt") for p in value]
+    if all(ids is not None and ids for ids in lists):
+        return [Prompt(token_ids=ids) for ids in lists]
+    raise invalid("prompt", f"must be {shape}")
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """``messages``: role and content (a string, or text parts, which are joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty array of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid("messages", f"[{i}] must be an object with a string 'role'")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid("messages", f"[{i}].content: only text parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise invalid("messages", f"[{i}].content must be a string or an array of text parts")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop", "must be a string or an array of strings")
+    if len(stops) > limits.MAX_STOP_STRINGS:
+        raise invalid("stop", f"at most {limits.MAX_STOP_STRINGS}, got {len(stops)}")
+    for s in stops:
+        if not s or len(s) > limits.MAX_STOP_STRING_LENGTH:
+            raise invalid("stop", f"each must have 1 to {limits.MAX_STOP_STRING_LENGTH} characters, got {len(s)}")
+    return stops
+
+
+def _common(body: dict, chat: bool) -> CallParams:
+    for name, neutral in _UNSUPPORTED_UNLESS.items():
+        if body.get(name, None) not in neutral:
+            raise invalid(name, "is not supported by this server")
+    for name in PENDING:
+        if body.get(name) is not None:
+            raise invalid(name, PENDING[name])
+    model = _get(body, "model", str)
+    n = _get(body, "n", int, 1)
+    if n < 1:
+        raise invalid("n", f"must be at least 1, got {n}")
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise invalid("best_of", "must equal n (this server returns every sample it draws)")
+    stream = _get(body, "stream", bool, False)
+    stream_options = _get(body, "stream_options", dict, {})
+    if stream_options and not stream:
+        raise invalid("stream_options", "is only allowed when stream is true")
+    include_usage = bool(_get(stream_options, "include_usage", bool, False)) if stream_options else False
+    options: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE}
+    for name, (option, kind) in _SAMPLING.items():
+        value = _get(body, name, kind)
+        if value is not None:
+            options[option] = value
+    stops = _stop_strings(body)
+    if stops:
+        options["stop_strings"] = stops
+    stop_ids = _get(body, "stop_token_ids", list, [])
+    if _token_ids(stop_ids, "stop_token_ids") is None:
+        raise invalid("stop_token_ids", "must be an array of token ids")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None:
+        options.update(_logit_bias(logit_bias))
+    options.update(_constraint(body, chat))
+    return CallParams(
+        model=model, prompts=[], n=n, stream=stream, include_usage=include_usage,
+        max_new_tokens=None, stop_token_ids=stop_ids, options=options,
+    )
+
+
+def _logit_bias(value: Any) -> dict[str, Any]:
+    """``{"token id": bias}`` (JSON keys are strings) → the engine's ``{id: bias}``."""
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", "must be an object mapping token ids to biases")
+    bias = {}
+    for key, b in value.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise invalid("logit_bias", f"biases must be numbers, got {b!r}")
+        bias[tid] = float(b)
+    return {"logit_bias": bias} if bias else {}
+
+
+def _constraint(body: dict, chat: bool) -> dict[str, Any]:
+    """``response_format`` (chat) and vLLM's ``guided_*`` → one structured-output option."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = body.get("response_format") if chat else None
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise invalid("response_format", "must be an object with a 'type'")
+        kind = fmt["type"]
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise invalid("response_format", "json_schema must be an object with a 'schema' object")
+            import json
+
+            # strict or not, the output is held to the schema (the API's strict mode is what the
+            # grammar guarantees anyway)
+            found.append(("response_format", {"json_schema": json.dumps(spec.get("schema", {}))}))
+        elif kind != "text":
+            raise invalid("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+    guided = body.get("guided_json")
+    if guided is not None:
+        import json
+
+        if isinstance(guided, str):
+            schema = guided
+        elif isinstance(guided, dict):
+            schema = json.dumps(guided)
+        else:
+            raise invalid("guided_json", "must be a JSON schema (an object or its text)")
+        found.append(("guided_json", {"json_schema": schema}))
+    regex = _get(body, "guided_regex", str)
+    if regex is not None:
+        found.append(("guided_regex", {"regex": regex}))
+    grammar = _get(body, "guided_grammar", str)
+    if grammar is not None:
+        found.append(("guided_grammar", {"grammar": grammar}))
+    choice = body.get("guided_choice")
+    if choice is not None:
+        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
+            raise invalid("guided_choice", "must be a non-empty array of strings")
+        found.append(("guided_choice", {"choice": choice}))
+    if len(found) > 1:
+        raise invalid(found[1][0], f"give one constraint, not {' and '.join(name for name, _ in found)}")
+    if not found:
+        return {}
+    name, option = found[0]
+    missing = [k for k in option if k in UNSUPPORTED_OPTIONS]
+    if missing:
+        raise invalid(name, UNSUPPORTED_OPTIONS[missing[0]])
+    return option
+
+
+# Engine.submit keywords of the structured-output work that this build's engine lacks yet
+# (refused naming the parameter that asked for them).
+UNSUPPORTED_OPTIONS: dict[str, str] = {}
+
+
+def completion_params(body: dict) -> CallParams:
+    params = _common(body, chat=False)
+    params.prompts = completion_prompts(body)
+    params.max_new_tokens = _get(body, "max_tokens", int, COMPLETIONS_MAX_TOKENS)
+    params.echo = _get(body, "echo", bool, False)
+    top = _get(body, "logprobs", int)
+    if top is not None:
+        params.options["logprobs"] = True
+        params.options["top_logprobs"] = top
+        params.top_logprobs = top
+    _check_choices(params)
+    return params
+
+
+def chat_params(body: dict) -> CallParams:
+    params = _common(body, chat=True)
+    params.prompts = [Prompt(messages=chat_messages(body))]
+    params.max_new_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int)
+    if body.get("max_completion_tokens") is not None:
+        params.max_new_tokens = _get(body, "max_completion_tokens", int)
+    if _get(body, "logprobs", bool, False):
+        top = _get(body, "top_logprobs", int, 0)
+        params.options["logprobs"] = True
+        params.options["top_logprobs"] = top
+        params.top_logprobs = top
+    elif body.get("top_logprobs") is not None:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None:
+        if not isinstance(thinking, bool):
+            raise invalid("chat_template_kwargs", "enable_thinking must be a boolean")
+        params.options["enable_thinking"] = thinking
+    _check_choices(params)
+    return params
+
+
+def _check_choices(params: CallParams) -> None:
+    count = len(params.prompts) * params.n
+    if count > MAX_CHOICES:
+        raise invalid("n", f"prompts x n is {count}; at most {MAX_CHOICES} in one call")

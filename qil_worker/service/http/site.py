@@ -1,0 +1,165 @@
+"""The HTTP site of the front: the aiohttp application (routes, the error and auth
+middleware), and its start and stop beside the gRPC server."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from qil_worker.service import limits
+from qil_worker.service.auth import bearer_token_matches
+from qil_worker.service.errors import HttpError, ServiceError, internal, unauthenticated, unknown_model
+from qil_worker.service.http.call import error_response, handle
+from qil_worker.service.http.chat import Chat
+from qil_worker.service.http.completions import Completions
+from qil_worker.service.http.token_strings import TokenStrings
+
+if TYPE_CHECKING:
+    from qil_worker.service.front import Front
+    from qil_worker.service.health import Health
+
+log = logging.getLogger("qil.http")
+
+DEMO_MODEL_NAME = "qil-demo"
+# paths that answer without the bearer token (as gRPC health does; Prometheus scrapes
+# without one, as on the --metrics-port endpoint)
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+# on shutdown, after the drain: how long a handler still running may take to end
+SHUTDOWN_TIMEOUT_S = 1.0
+
+
+def served_model_name(model_dir: str | None, configured: str | None) -> str:
+    """``--served-model-name``, else the model directory's name (``qil-demo`` for the demo)."""
+    if configured:
+        return configured
+    if not model_dir:
+        return DEMO_MODEL_NAME
+    return os.path.basename(os.path.normpath(model_dir)) or model_dir
+
+
+@dataclass
+class HttpContext:
+    front: "Front"
+    health: "Health"
+    model_name: str
+    token_strings: TokenStrings
+    auth_token: bytes | None
+    metrics: object | None  # a metrics.Metrics (its registry is served at /metrics)
+
+
+def make_app(ctx: HttpContext) -> web.Application:
+    app = web.Application(
+        middlewares=[_errors, _auth(ctx)],
+        client_max_size=limits.MAX_MESSAGE_BYTES,  # as gRPC's message limit
+    )
+    completions, chat = Completions(), Chat()
+
+    async def completions_handler(request: web.Request) -> web.StreamResponse:
+        return await handle(ctx, request, completions)
+
+    async def chat_handler(request: web.Request) -> web.StreamResponse:
+        return await handle(ctx, request, chat)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [_model(ctx)]})
+
+    async def model(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name != ctx.model_name:
+            raise unknown_model(name, ctx.model_name)
+        return web.json_response(_model(ctx))
+
+    async def health(request: web.Request) -> web.Response:
+        if ctx.health.serving:
+            return web.Response(text="ok\n")
+        return web.Response(status=503, text="not serving\n")
+
+    app.router.add_post("/v1/completions", completions_handler)
+    app.router.add_post("/v1/chat/completions", chat_handler)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{name:.+}", model)
+    app.router.add_get("/health", health)
+    if ctx.metrics is not None:
+        app.router.add_get("/metrics", _metrics_handler(ctx.metrics))
+    return app
+
+
+def _model(ctx: HttpContext) -> dict:
+    info = ctx.front.info
+    entry = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "qil"}
+    if info is not None:
+        entry["max_model_len"] = info.max_position_embeddings
+    return entry
+
+
+def _metrics_handler(metrics):
+    pc = metrics._pc  # prometheus_client, imported by Metrics
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=pc.generate_latest(metrics.registry),
+                            headers={"Content-Type": pc.CONTENT_TYPE_LATEST})
+
+    return handler
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure in the API's error shape, with its status (errors.http_status)."""
+    try:
+        return await handler(request)
+    except ServiceError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "internal_error"
+        return error_response(HttpError(exc.status, kind, exc.reason, None, None))
+    except ConnectionResetError:
+        raise  # the client is gone: nobody to answer
+    except Exception:  # noqa: BLE001 - an answer, not a dropped connection
+        log.exception("HTTP handler failed")
+        return error_response(internal("the server failed on this request; see its log"))
+
+
+def _auth(ctx: HttpContext):
+    expected = ctx.auth_token
+
+    @web.middleware
+    async def auth(request: web.Request, handler) -> web.StreamResponse:
+        if expected is not None and request.path not in OPEN_PATHS:
+            if not bearer_token_matches(request.headers.getall("Authorization", []), expected):
+                raise unauthenticated()
+        return await handler(request)
+
+    return auth
+
+
+class HttpSite:
+    """The HTTP API on ``host:port``, on the running loop."""
+
+    def __init__(self, ctx: HttpContext, host: str, port: int) -> None:
+        self.ctx = ctx
+        self.host = host
+        self.port = port
+        # handler_cancellation: a client that disconnects cancels its handler (which cancels
+        # its requests) even while the handler waits for tokens and writes nothing
+        self._runner = web.AppRunner(make_app(ctx), access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+
+    async def start(self) -> int:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise OSError(f"cannot bind HTTP {self.host}:{self.port}: {exc}") from None
+        self.port = self._runner.addresses[0][1]  # the port picked for 0
+        return self.port
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
