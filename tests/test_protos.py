@@ -89,6 +89,20 @@ def test_front_does_not_import_torch():
     assert "qil_worker.service.server" in mods
     assert "torch" not in mods, "the front (and qil_worker/__init__) must not import torch"
     assert "transformers" not in mods and "tokenizers" not in mods, "the tokenizer lives in the worker"
+    assert "aiohttp" not in mods and "qil_worker.service.http" not in mods, (
+        "the HTTP stack is imported only with --http-port"
+    )
+
+
+def test_http_front_does_not_import_torch():
+    """With --http-port the front loads the HTTP stack, and still no torch or tokenizer."""
+    pytest.importorskip("aiohttp")
+    mods = _modules_after_import(
+        "import qil_worker.service.server, qil_worker.service.http.site, qil_worker.service.http.token_strings"
+    )
+    assert "aiohttp" in mods and "qil_worker.service.http.site" in mods
+    assert "torch" not in mods
+    assert "transformers" not in mods and "tokenizers" not in mods
 
 
 def test_numpy_is_a_dependency():

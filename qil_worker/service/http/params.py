@@ -50,8 +50,6 @@ _UNSUPPORTED_UNLESS = {
     "modalities": (None, ["text"]),
 }
 
-# constraints whose engine support is not merged yet: refused, naming the parameter
-PENDING: dict[str, str] = {}
 
 
 def param_of(engine_field: str | None, chat: bool) -> str | None:
@@ -182,9 +180,6 @@ def _common(body: dict, chat: bool) -> CallParams:
     for name, neutral in _UNSUPPORTED_UNLESS.items():
         if body.get(name, None) not in neutral:
             raise invalid(name, "is not supported by this server")
-    for name in PENDING:
-        if body.get(name) is not None:
-            raise invalid(name, PENDING[name])
     model = _get(body, "model", str)
     n = _get(body, "n", int, 1)
     if n < 1:
@@ -211,6 +206,8 @@ def _common(body: dict, chat: bool) -> CallParams:
     logit_bias = body.get("logit_bias")
     if logit_bias is not None:
         options.update(_logit_bias(logit_bias))
+        if "logit_bias" in NOT_IN_THIS_ENGINE:
+            raise invalid("logit_bias", NOT_IN_THIS_ENGINE["logit_bias"])
     options.update(_constraint(body, chat))
     return CallParams(
         model=model, prompts=[], n=n, stream=stream, include_usage=include_usage,
@@ -282,15 +279,23 @@ def _constraint(body: dict, chat: bool) -> dict[str, Any]:
     if not found:
         return {}
     name, option = found[0]
-    missing = [k for k in option if k in UNSUPPORTED_OPTIONS]
+    missing = [k for k in option if k in NOT_IN_THIS_ENGINE]
     if missing:
-        raise invalid(name, UNSUPPORTED_OPTIONS[missing[0]])
+        raise invalid(name, NOT_IN_THIS_ENGINE[missing[0]])
     return option
 
 
-# Engine.submit keywords of the structured-output work that this build's engine lacks yet
-# (refused naming the parameter that asked for them).
-UNSUPPORTED_OPTIONS: dict[str, str] = {}
+# Engine.submit keywords that this build's engine lacks yet, refused naming the parameter that
+# asked for them (a caller relying on a constraint must not get unconstrained text).
+_LATER = "is not supported by this server yet"
+NOT_IN_THIS_ENGINE: dict[str, str] = {
+    "json_schema": f"json_schema {_LATER}",
+    "json_object": f"json_object {_LATER}",
+    "regex": f"regex constraints {_LATER}",
+    "grammar": f"grammar constraints {_LATER}",
+    "choice": f"choice constraints {_LATER}",
+    "logit_bias": _LATER,
+}
 
 
 def completion_params(body: dict) -> CallParams:
@@ -310,9 +315,8 @@ def completion_params(body: dict) -> CallParams:
 def chat_params(body: dict) -> CallParams:
     params = _common(body, chat=True)
     params.prompts = [Prompt(messages=chat_messages(body))]
-    params.max_new_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int)
-    if body.get("max_completion_tokens") is not None:
-        params.max_new_tokens = _get(body, "max_completion_tokens", int)
+    newer = _get(body, "max_completion_tokens", int)
+    params.max_new_tokens = newer if newer is not None else _get(body, "max_tokens", int)
     if _get(body, "logprobs", bool, False):
         top = _get(body, "top_logprobs", int, 0)
         params.options["logprobs"] = True
