@@ -143,3 +143,28 @@ def test_the_range_and_count_limits_themselves_are_accepted(model):
     engine.submit([1, 2], max_new_tokens=2, logit_bias={VOCAB - 1: 0.0})
     run_to_completion(engine)
     assert_pool_free(engine)
+
+
+def test_both_command_lines_take_repeatable_logit_bias_flags(tiny_dir, capsys):
+    import argparse
+    import json
+
+    from qil_client.__main__ import _parser as client_parser
+    from qil_client.__main__ import request_kwargs
+    from qil_worker.cli_generate import add_generate_parser, sampling_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_generate_parser(parser.add_subparsers())
+    argv = ["generate", "--model", str(tiny_dir), "--token-ids", "[7,8,9]", "--max-new-tokens", "4",
+            "--json", "--logit-bias", "5=100", "--logit-bias", "6=-2.5", "--logit-bias", "5=99"]
+    args = parser.parse_args(argv)
+    assert sampling_kwargs(args) == {"logit_bias": {5: 99.0, 6: -2.5}}  # a later one for an id wins
+    assert args.run(args) == 0
+    assert json.loads(capsys.readouterr().out)["output_token_ids"] == [5] * 4
+    kw = request_kwargs(client_parser().parse_args(["generate", "--token-ids", "[1]", "--logit-bias", "3=-1"]))
+    assert kw["logit_bias"] == {3: -1.0}
+    assert "logit_bias" not in request_kwargs(client_parser().parse_args(["generate", "--token-ids", "[1]"]))
+    for bad in ("5", "x=1", "5=high"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv[:-2] + ["--logit-bias", bad])
+    assert "ID=BIAS" in capsys.readouterr().err
