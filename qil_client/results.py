@@ -190,8 +190,9 @@ def submit_request(
     """The prompt is exactly one of ``token_ids``, ``text`` or chat ``messages`` (dicts with
     role and content, or (role, content) pairs); text and messages need a server with a
     tokenizer. ``logit_bias``: {token id: bias}. Every other option left at None is not sent:
-    the server's default applies (greedy decoding, no logprobs, special tokens skipped). These are the keyword options of
-    submit / stream / generate (sync and asyncio, and the sessions' submit); the optional fields
+    the server's default applies (greedy decoding, no logprobs, special tokens skipped). These
+    are the keyword options of submit / stream / generate (sync and asyncio, and the sessions'
+    submit); the optional fields
     among them are the table ``qil_client.options.OPTIONS``, which a test keeps equal to this
     typed signature (the one editors and type checkers read).
 
@@ -221,7 +222,7 @@ def submit_request(
     if logit_bias:
         with _naming("logit_bias"):
             if not isinstance(logit_bias, Mapping):
-                raise TypeError(f"must be a mapping of token ids to biases, got {type(logit_bias).__name__}")
+                raise TypeError(f"must map token ids to biases, got a {type(logit_bias).__name__}")
             req.logit_bias.update(logit_bias)
     if max_new_tokens is not None:
         with _naming("max_new_tokens"):

@@ -122,6 +122,7 @@ def test_the_bias_is_added_in_one_batched_op():
         {3: math.inf},
         {3: "high"},
         {3: True},
+        {True: 1.0},
         {"3": 1.0},
         {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)},
         ((3, 1.0), (3, 2.0)),  # one id twice (a dict cannot say it; pairs can)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checkpoints import load_reference
-from qil_client import InvalidArgument, pb
+from qil_client import InvalidArgument
 from qil_client.__main__ import main as client_main
 from qil_client.results import ResultBuilder, submit_request
 from qil_worker.engine.sampling_params import MAX_LOGIT_BIAS

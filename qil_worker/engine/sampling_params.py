@@ -121,28 +121,28 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias", f"must map token ids to biases, got {bias!r}")
         if len(bias) > MAX_LOGIT_BIAS:
             raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+        low, high = LOGIT_BIAS_RANGE
         previous = None
-        for pair in bias:
+        for pair in bias:  # sorted by id (``__post_init__``), so a repeated id is adjacent
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise InvalidRequestError("logit_bias", f"must map token ids to biases, got {pair!r}")
             token, value = pair
             try:
+                if isinstance(token, bool):
+                    raise TypeError
                 token = operator.index(token)
             except TypeError:
                 raise InvalidRequestError("logit_bias", f"token ids must be integers, got {token!r}") from None
-            if isinstance(pair[0], bool) or token < 0 or (vocab_size is not None and token >= vocab_size):
-                raise InvalidRequestError(
-                    "logit_bias", f"token id {token!r} is outside [0, {vocab_size if vocab_size else 'inf'})"
-                )
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                upper = vocab_size if vocab_size is not None else "inf"
+                raise InvalidRequestError("logit_bias", f"token id {token} is outside [0, {upper})")
             if token == previous:
                 raise InvalidRequestError("logit_bias", f"token id {token} is given twice")
             previous = token
-            low, high = LOGIT_BIAS_RANGE
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InvalidRequestError("logit_bias", f"token {token}: the bias must be a finite number, got {value!r}")
             if not low <= value <= high:
-                raise InvalidRequestError("logit_bias", f"token {token}: the bias must be in [{low}, {high}], got {value!r}")
-
+                raise InvalidRequestError("logit_bias", f"token {token}: the bias must be in [{low}, {high}], got {value}")
 
 def _number(
     field: str, value: object, low: float, high: float | None = None, low_open: bool = False

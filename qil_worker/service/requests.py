@@ -63,9 +63,10 @@ def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
         options["stop_strings"] = stops
     if request.logit_bias:
         # the count here too, before the map crosses to the worker; ids and values are the engine's
-        if len(request.logit_bias) > MAX_LOGIT_BIAS:
-            raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(request.logit_bias)}")
-        options["logit_bias"] = dict(request.logit_bias)
+        bias = dict(request.logit_bias)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+        options["logit_bias"] = bias
     for name in OPTION_NAMES:  # Engine.submit takes each under its proto name
         if request.HasField(name):
             options[name] = getattr(request, name)
