@@ -66,6 +66,7 @@ def test_a_late_subscriber_from_seq_0_gets_them_too(client, reference):
     _assert_matches(result, reference)
     tail = list(client.events(rid, from_seq=2))
     assert tail[0].seq == 2 and all(not e.prompt_logprobs for e in tail)
+    assert client.info().pages.used == 0
 
 
 def test_prompt_logprobs_0_give_only_the_prompt_tokens_own(client, reference):
