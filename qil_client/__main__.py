@@ -41,6 +41,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", type=_ids, default=[], help="JSON list of extra stop ids (default: none)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     options.add_flags(p, options.SAMPLING)
+    options.add_logit_bias_flag(p)
 
 
 def _messages_arg(text: str) -> list[dict]:
@@ -82,6 +83,8 @@ def request_kwargs(args: argparse.Namespace) -> dict:
         kw["text"] = args.prompt
     if args.stop:
         kw["stop_strings"] = args.stop
+    if args.logit_bias:
+        kw["logit_bias"] = dict(args.logit_bias)
     kw.update(max_new_tokens=args.max_new_tokens, stop_token_ids=args.stop_token_ids,
               request_id=args.request_id)
     return kw
@@ -118,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--logprobs", action="store_true", default=None,
                        help="ask for each token's log-probability (shown with --json)")
         q.add_argument("--top-logprobs", type=int, default=None, help="and the N most likely (<= 20)")
+        q.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                       help="ask for each prompt token's log-probability after the first and the N "
+                       "most likely there (0 to 20; with the first event, shown with --json; "
+                       "default: off)")
         q.add_argument("--include-stop-string", action="store_true", default=None,
                        help="keep the stop string at the end of the text")
         q.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",

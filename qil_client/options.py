@@ -55,8 +55,9 @@ SAMPLING = (
     RequestOption("min_new_tokens", "no EOS or stop id before this many tokens"),
     RequestOption("ignore_eos", "the model's EOS ids do not stop the request"),
 )
-# Returned with each token: the other fields of SamplingParams; flags of the client CLI only.
-LOGPROBS = (RequestOption("logprobs"), RequestOption("top_logprobs"))
+# Log-probabilities returned (with each token; the prompt's with the first): the other scalar
+# fields of SamplingParams; flags of the client CLI only.
+LOGPROBS = (RequestOption("logprobs"), RequestOption("top_logprobs"), RequestOption("prompt_logprobs"))
 # How the text is made: keyword arguments of Engine.submit; flags of the client CLI only.
 TEXT = (
     RequestOption("include_stop_string"),
@@ -74,6 +75,26 @@ def add_flags(parser: argparse.ArgumentParser, options: tuple[RequestOption, ...
             parser.add_argument(o.flag, action="store_true", default=None, help=o.help)
         else:
             parser.add_argument(o.flag, type=o.type, default=None, help=o.help)
+
+
+def logit_bias_entry(text: str) -> tuple[int, float]:
+    """An argparse type for ``--logit-bias ID=BIAS`` (ranges are the server's to check)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 42=-100, got {text!r}") from None
+
+
+def add_logit_bias_flag(parser: argparse.ArgumentParser) -> None:
+    """``--logit-bias ID=BIAS``, repeatable (a map on the wire, so not in the table above)."""
+    parser.add_argument(
+        "--logit-bias", type=logit_bias_entry, action="append", default=None, metavar="ID=BIAS",
+        help="add BIAS (-100 to 100) to token ID's logit (repeatable; a later one for an id wins; "
+        "default: none)",
+    )
 
 
 def given(args: argparse.Namespace, options: tuple[RequestOption, ...] = OPTIONS) -> dict[str, object]:

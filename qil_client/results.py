@@ -53,6 +53,10 @@ class Result:
     stop_reason: int | str | None = None
     # Prompt tokens whose KV came from the server's prefix cache.
     num_cached_tokens: int = 0
+    # When asked for (prompt_logprobs=N): entry i is prompt token i + 1's log-probability, and
+    # the N most likely (id, logprob) at that position (None for N = 0).
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def usage(self) -> "Usage":
@@ -111,6 +115,8 @@ class ResultBuilder:
         self.texts: list[str] | None = None
         self.logprobs: list[float] | None = None
         self.top_logprobs: list[list[tuple[int, float]]] | None = None
+        self.prompt_logprobs: list[float] | None = None
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
         self.final: pb.Event | None = None
 
     def add(self, ev: pb.Event) -> None:
@@ -132,6 +138,12 @@ class ResultBuilder:
             self.top_logprobs.extend(
                 [(c.token_id, c.logprob) for c in top.candidates] for top in ev.top_logprobs
             )
+        if ev.prompt_logprobs:
+            self.prompt_logprobs = list(ev.prompt_logprobs)
+        if ev.prompt_top_logprobs:
+            self.prompt_top_logprobs = [
+                [(c.token_id, c.logprob) for c in top.candidates] for top in ev.prompt_top_logprobs
+            ]
         self.token_ids.extend(ev.token_ids)
         if ev.finished:
             self.final = ev
@@ -146,6 +158,8 @@ class ResultBuilder:
             text=self.text,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_top_logprobs=self.prompt_top_logprobs,
         )
         if ev is None:
             return Result(self.request_id, list(self.token_ids), None, **common)
@@ -207,12 +221,15 @@ def submit_request(
     ignore_eos: bool | None = None,
     logprobs: bool | None = None,
     top_logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> pb.SubmitRequest:
     """The prompt is exactly one of ``token_ids``, ``text`` or chat ``messages`` (dicts with
     role and content, or (role, content) pairs); text and messages need a server with a
-    tokenizer. Every other option left at None is not sent: the server's default applies
-    (greedy decoding, no logprobs, special tokens skipped). These are the keyword options of
-    submit / stream / generate (sync and asyncio, and the sessions' submit); the optional fields
+    tokenizer. ``logit_bias``: {token id: bias}. Every other option left at None is not sent:
+    the server's default applies (greedy decoding, no logprobs, special tokens skipped). These
+    are the keyword options of submit / stream / generate (sync and asyncio, and the sessions'
+    submit); the optional fields
     among them are the table ``qil_client.options.OPTIONS``, which a test keeps equal to this
     typed signature (the one editors and type checkers read).
 
@@ -239,6 +256,11 @@ def submit_request(
             req.text = text
     if messages is not None:
         req.messages.extend(_messages(messages))
+    if logit_bias:
+        with _naming("logit_bias"):
+            if not isinstance(logit_bias, Mapping):
+                raise TypeError(f"must map token ids to biases, got a {type(logit_bias).__name__}")
+            req.logit_bias.update(logit_bias)
     if max_new_tokens is not None:
         with _naming("max_new_tokens"):
             req.max_new_tokens = max_new_tokens

@@ -18,11 +18,15 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", default=None, help="JSON list of extra stop ids (default: none)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     options.add_flags(p, options.SAMPLING)
+    options.add_logit_bias_flag(p)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """Only the flags the user gave, so the engine's defaults apply to the rest."""
-    return options.given(args, options.SAMPLING)
+    kwargs = options.given(args, options.SAMPLING)
+    if args.logit_bias:
+        kwargs["logit_bias"] = dict(args.logit_bias)
+    return kwargs
 
 
 def positive_int(text: str) -> int:

@@ -34,8 +34,14 @@ def test_the_table_is_the_optional_scalar_fields_of_submit_request():
     assert set(NAMES) == proto - {"max_new_tokens"}
 
 
+# SamplingParams fields that are not optional scalars on the wire (a map), handled by name
+NON_SCALAR = {"logit_bias"}
+
+
 def test_sampling_params_has_the_sampling_and_logprobs_options_and_submit_the_text_ones():
-    assert [f.name for f in fields(SamplingParams)] == [o.name for o in SAMPLING + LOGPROBS]
+    scalar = [f.name for f in fields(SamplingParams) if f.name not in NON_SCALAR]
+    assert scalar == [o.name for o in SAMPLING + LOGPROBS]
+    assert NON_SCALAR <= {f.name for f in fields(SamplingParams)}
     keyword_only = {
         name for name, p in inspect.signature(Engine.submit).parameters.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
@@ -48,7 +54,8 @@ def test_submit_request_takes_each_option_as_a_keyword_argument():
         name for name, p in inspect.signature(submit_request).parameters.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     }
-    assert keyword_only - {"text", "messages", "stop_strings"} == set(NAMES)
+    assert keyword_only - {"text", "messages", "stop_strings"} - NON_SCALAR == set(NAMES)
+    assert NON_SCALAR <= keyword_only
     req = submit_request([1], **{o.name: VALUES[o.type] for o in OPTIONS})
     assert all(req.HasField(name) for name in NAMES)
 
@@ -71,16 +78,22 @@ def test_both_command_lines_have_a_flag_for_each_sampling_option():
 
 def test_every_option_goes_from_the_client_cli_through_the_front_to_the_engine():
     argv = ["generate", "--prompt", "hi", "--chat", "--thinking", "--logprobs", "--top-logprobs", "2",
-            "--include-stop-string", "--keep-special-tokens", "--max-new-tokens", "8"]
+            "--prompt-logprobs", "1", "--include-stop-string", "--keep-special-tokens",
+            "--max-new-tokens", "8", "--logit-bias", "5=-1.5", "--logit-bias", "2=3"]
     for o in SAMPLING:
         argv += [o.flag] if o.type is bool else [o.flag, str(VALUES[o.type])]
     kw = request_kwargs(client_parser().parse_args(argv))
     assert set(NAMES) <= set(kw)
     args = submit_args(submit_request(**kw))
-    assert set(args.options) - {"messages"} == set(NAMES)
-    sampling = SamplingParams.from_kwargs(**{o.name: args.options[o.name] for o in SAMPLING + LOGPROBS})
+    assert set(args.options) - {"messages"} == set(NAMES) | NON_SCALAR
+    sampling = SamplingParams.from_kwargs(
+        **{name: args.options[name] for name in [o.name for o in SAMPLING + LOGPROBS] + sorted(NON_SCALAR)}
+    )
     sampling.validate(args.max_new_tokens)
-    expected = SamplingParams(**{o.name: VALUES[o.type] for o in SAMPLING}, logprobs=True, top_logprobs=2)
+    expected = SamplingParams(
+        **{o.name: VALUES[o.type] for o in SAMPLING}, logprobs=True, top_logprobs=2, prompt_logprobs=1,
+        logit_bias=((2, 3.0), (5, -1.5)),
+    )
     assert sampling == expected
     assert args.options["enable_thinking"] is True and args.options["skip_special_tokens"] is False
     assert args.options["include_stop_string"] is True

@@ -7,6 +7,10 @@ is one padded attention call, so a 60-token chunk never pads to a 250-token neig
 attention slices instead of gathering. The attention backend turns the layout into its own
 metadata. Small index tensors are built on the host and moved once; the larger ones (key slots,
 masks) are derived on the device from them.
+
+Logits are computed at ``logit_indices`` only: the sampled rows first (one per sampled chunk),
+then the prompt positions of requests that asked for prompt logprobs (``prompt_logprobs``), so
+one LM-head call covers both and a step without the latter computes exactly the sampled rows.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from qil_worker.attention.backend import AttentionBackend, StepAttention, StepLayout
+from qil_worker.engine.prompt_logprobs import PromptRows
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import to_device
 from qil_worker.kv.slots import kv_slots
@@ -26,9 +31,12 @@ class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attention: StepAttention
-    sample_indices: torch.Tensor  # [S] flat index of each sampled request's last token
+    # [S + P] flat indices of the logit rows: each sampled request's last token (S), then the
+    # prompt positions of ``prompt_rows`` (P, often none)
+    logit_indices: torch.Tensor
     sampled: list[ScheduledChunk]  # chunks whose request gets a new token, in row order
     chunks: list[ScheduledChunk]  # every chunk, in flat token order
+    prompt_rows: list[PromptRows]  # the P rows after the sampled ones, in order
 
 
 def build_step_batch(
@@ -49,7 +57,15 @@ def build_step_batch(
     rows: list[int] = []
     sample_indices: list[int] = []
     sampled: list[ScheduledChunk] = []
+    prompt_indices: list[int] = []
+    prompt_rows: list[PromptRows] = []
     for row, chunk in enumerate(ordered):
+        if chunk.request.prompt_logprobs is not None:
+            scored = chunk.request.prompt_logprobs.positions(chunk.start, chunk.end)
+            if scored:
+                offset = len(input_ids) - chunk.start
+                prompt_indices.extend(range(scored.start + offset, scored.stop + offset))
+                prompt_rows.append(PromptRows(chunk.request, scored.start, len(scored)))
         input_ids.extend(chunk.request.token_ids(chunk.start, chunk.end))
         positions.extend(range(chunk.start, chunk.end))
         rows.extend([row] * chunk.num_tokens)
@@ -70,9 +86,10 @@ def build_step_batch(
         input_ids=to_device(input_ids, device, torch.long),
         positions=positions_t,
         attention=attention.step_metadata(layout),
-        sample_indices=to_device(sample_indices, device, torch.long),
+        logit_indices=to_device(sample_indices + prompt_indices, device, torch.long),
         sampled=sampled,
         chunks=ordered,
+        prompt_rows=prompt_rows,
     )
 
 

@@ -15,6 +15,7 @@ import torch
 
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.attention.choice import choose_backend
+from qil_worker.engine import prompt_logprobs
 from qil_worker.engine.batch import build_step_batch
 from qil_worker.engine.decode_graphs import DecodeGraphs
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
@@ -222,7 +223,8 @@ class Engine:
             sampling = SamplingParams.from_kwargs(**sampling_fields)
         elif sampling_fields:
             raise TypeError("pass either sampling= or sampling fields, not both")
-        sampling.validate(max_new_tokens)
+        sampling.validate(max_new_tokens, vocab_size=self.model.config.vocab_size)
+        scored_prompt = prompt_logprobs.PromptLogprobs.asked(sampling.prompt_logprobs, len(prompt))
         if request_id in self._requests:
             # active, or cancelled with its final event not yet handed out: reusing the id now
             # would interleave two requests' events under one id
@@ -244,6 +246,7 @@ class Engine:
             text=None
             if self.tokenizer is None
             else TextOutput(self.tokenizer, stop_strings or (), include_stop_string, skip_special_tokens),
+            prompt_logprobs=scored_prompt,
         )
         self._results.pop(request_id, None)  # a finished request of the same id is forgotten
         self._requests[request_id] = request
@@ -284,9 +287,12 @@ class Engine:
                 )
                 self.kv.check_reads(batch.attention)
                 logits = self.model(
-                    batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices
+                    batch.input_ids, batch.positions, batch.attention, self.kv, batch.logit_indices
                 )
                 computed, sampled_chunks = batch.chunks, batch.sampled
+                if batch.prompt_rows:  # the rows after the sampled ones score prompt tokens
+                    prompt_logprobs.score(logits[len(sampled_chunks):], batch.prompt_rows)
+                    logits = logits[: len(sampled_chunks)]
             sampled = self.sampler.sample(logits, [c.request for c in sampled_chunks])
         except Exception as exc:  # the whole forward failed: fail its requests, keep serving
             log.exception("step failed for %d request(s)", len(chunks))
@@ -304,11 +310,12 @@ class Engine:
         self.scheduler.commit(computed)
         now = time.perf_counter()
         for i, chunk in enumerate(sampled_chunks):
-            events.append(
-                self._accept_token(
-                    chunk.request, sampled.tokens[i], now, sampled.logprobs[i], sampled.top_logprobs[i]
-                )
+            event = self._accept_token(
+                chunk.request, sampled.tokens[i], now, sampled.logprobs[i], sampled.top_logprobs[i]
             )
+            if chunk.request.prompt_logprobs is not None:
+                event = chunk.request.prompt_logprobs.attach(event)
+            events.append(event)
         return events
 
     def _accept_token(

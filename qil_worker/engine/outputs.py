@@ -23,8 +23,9 @@ class Event:
     has ``finished=True``, a ``finish_reason`` and the request's ``result``; it carries the
     last token when the request ended by producing one, and ``token_id=None`` when it was
     cancelled or failed.
-    Log-probabilities are those of the distribution the token was drawn from: after penalties
-    and temperature, before top-k/top-p/min-p truncation.
+    Log-probabilities are those of the distribution the token was drawn from: after logit_bias,
+    penalties and temperature, before top-k/top-p/min-p truncation. The request's first token
+    event carries ``prompt_logprobs`` when it asked for them (raw model, see ``prompt_logprobs``).
     """
 
     request_id: str
@@ -38,6 +39,9 @@ class Event:
     text: str | None = None  # new text (whole characters) when the engine has a tokenizer
     stop_reason: int | str | None = None  # on a STOP final event: the token id or stop string
     result: "Result | None" = None  # on a final event: the request as it ended
+    # On the first token event of a request that asked: entry i scores prompt token i + 1
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # the N best there (N > 0)
 
 
 @dataclass
@@ -79,6 +83,9 @@ class Result:
     num_cached_tokens: int = 0
     output_text: str | None = None
     stop_reason: int | str | None = None
+    # When asked for and the prompt was scored (see ``Event``): entry i scores prompt token i + 1
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @classmethod
     def of(
@@ -92,6 +99,8 @@ class Result:
         num_cached_tokens: int = 0,
         output_text: str | None = None,
         stop_reason: int | str | None = None,
+        prompt_logprobs: list[float] | None = None,
+        prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
     ) -> "Result":
         def since_arrival(t: float | None) -> float | None:
             return None if t is None else t - m.arrival_time
@@ -115,4 +124,6 @@ class Result:
             num_cached_tokens=num_cached_tokens,
             output_text=output_text,
             stop_reason=stop_reason,
+            prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_top_logprobs,
         )

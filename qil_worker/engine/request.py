@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from qil_worker.engine.outputs import FinishReason, RequestMetrics, Result
+from qil_worker.engine.prompt_logprobs import PromptLogprobs
 from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.kv.page_table import PageTable
 from qil_worker.text.output import TextOutput
@@ -44,6 +45,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # collected while the prompt is computed, if asked
 
     @property
     def num_tokens(self) -> int:
@@ -73,4 +75,11 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             output_text=self.text.text if self.text is not None else None,
             stop_reason=self.stop_reason,
+            **self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self) -> dict[str, object]:
+        scored = self.prompt_logprobs
+        if scored is None or not scored.complete:
+            return {}
+        return {"prompt_logprobs": scored.logprobs, "prompt_top_logprobs": scored.top}

@@ -1,8 +1,9 @@
 """Choosing the next token of every sampled request: one batched tensor pipeline per step.
 
-Order (as transformers' processors): penalties → min_new_tokens mask → temperature →
-[logprobs are read here] → top-k → top-p → min-p → draw. Requests with different settings share
-the batch; each stage runs only when some request in the step uses it.
+Order (as transformers' processors, logit_bias before them): logit_bias → penalties →
+min_new_tokens mask → temperature → [logprobs are read here] → top-k → top-p → min-p → draw.
+Requests with different settings share the batch; each stage runs only when some request in
+the step uses it.
 
 Draws use inverse-CDF sampling with one uniform number per request, derived by hashing the
 request's seed with the index of the token being drawn. That makes a seeded request's tokens
@@ -42,6 +43,8 @@ class Sampler:
         """
         params = [r.sampling for r in requests]
         logits = logits.float()
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, params)
         if any(p.penalized for p in params):
             logits = apply_penalties(logits, requests)
         logits = mask_stops_before_min_tokens(logits, requests)
@@ -81,6 +84,27 @@ class Sampler:
                 list(zip(top_i[i][: p.top_logprobs], top_v[i][: p.top_logprobs])) if p.top_logprobs else None
             )
         return SampleOutput(tokens_l, out_lp, out_top)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Add each row's (token id, bias) pairs to its logits, all rows in one ``index_put``.
+
+    Out of place: the step's logits may be an inference tensor of the forward."""
+    rows: list[int] = []
+    ids: list[int] = []
+    biases: list[float] = []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            token_ids, values = zip(*p.logit_bias)
+            rows.extend([row] * len(token_ids))
+            ids.extend(token_ids)
+            biases.extend(values)
+    device = logits.device
+    return logits.index_put(
+        (to_device(rows, device, torch.long), to_device(ids, device, torch.long)),
+        to_device(biases, device, logits.dtype),
+        accumulate=True,
+    )
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

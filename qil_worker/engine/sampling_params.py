@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from qil_worker.errors import InvalidRequestError
@@ -15,6 +17,11 @@ MAX_TOP_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# logit_bias: OpenAI's range and count. ±100 already bans or forces a token against any logit a
+# sane model produces, so nothing past it is needed; the count bounds what the sampler gathers
+# on the host for every biased row in every step (a grammar is the tool for larger token sets).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 300
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,10 @@ class SamplingParams:
     min_new_tokens: EOS and stop ids are masked until this many tokens exist.
     ignore_eos: the model's EOS ids do not stop the request (stop_token_ids still do).
     logprobs: return the chosen token's log-probability; top_logprobs: and the N best (≤ 20).
+    prompt_logprobs: None (off), or return every prompt token's log-probability after the first
+    under the raw model (no bias, penalties or temperature) and the N best at each (0 to 20).
+    logit_bias: (token id, bias) pairs added to those logits before everything else; a dict is
+    accepted and kept as pairs sorted by id (hashable). In [-100, 100], at most 300 ids.
     """
 
     temperature: float = 0.0
@@ -46,6 +57,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        bias = self.logit_bias
+        if isinstance(bias, Mapping):
+            bias = tuple(bias.items())
+        if isinstance(bias, (list, tuple)):
+            try:
+                bias = tuple(sorted((tuple(pair) for pair in bias), key=lambda pair: pair[0]))
+            except (TypeError, IndexError):
+                bias = tuple(bias)  # left as given: ``validate`` names what is wrong with it
+            object.__setattr__(self, "logit_bias", bias)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "SamplingParams":
@@ -69,8 +93,9 @@ class SamplingParams:
     def truncated(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
-    def validate(self, max_new_tokens: int) -> None:
-        """Raise ``InvalidRequestError`` naming the first out-of-range field."""
+    def validate(self, max_new_tokens: int, vocab_size: int | None = None) -> None:
+        """Raise ``InvalidRequestError`` naming the first out-of-range field (``vocab_size``:
+        the model's, which logit_bias ids must be under)."""
         _number("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
         _integer("top_k", self.top_k, low=-1)
         _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -86,7 +111,38 @@ class SamplingParams:
         if not isinstance(self.logprobs, bool):
             raise InvalidRequestError("logprobs", "must be a boolean")
         _integer("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_TOP_LOGPROBS)
+        self._validate_logit_bias(vocab_size)
 
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple):
+            raise InvalidRequestError("logit_bias", f"must map token ids to biases, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+        low, high = LOGIT_BIAS_RANGE
+        previous = None
+        for pair in bias:  # sorted by id (``__post_init__``), so a repeated id is adjacent
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidRequestError("logit_bias", f"must map token ids to biases, got {pair!r}")
+            token, value = pair
+            try:
+                if isinstance(token, bool):
+                    raise TypeError
+                token = operator.index(token)
+            except TypeError:
+                raise InvalidRequestError("logit_bias", f"token ids must be integers, got {token!r}") from None
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                upper = vocab_size if vocab_size is not None else "inf"
+                raise InvalidRequestError("logit_bias", f"token id {token} is outside [0, {upper})")
+            if token == previous:
+                raise InvalidRequestError("logit_bias", f"token id {token} is given twice")
+            previous = token
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidRequestError("logit_bias", f"token {token}: the bias must be a finite number, got {value!r}")
+            if not low <= value <= high:
+                raise InvalidRequestError("logit_bias", f"token {token}: the bias must be in [{low}, {high}], got {value}")
 
 def _number(
     field: str, value: object, low: float, high: float | None = None, low_open: bool = False

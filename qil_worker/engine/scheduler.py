@@ -223,8 +223,12 @@ class Scheduler:
 
     def _shareable_pages(self, request: Request) -> int:
         """Leading pages a request may take from the cache: the last known token is always
-        computed, so that it yields logits to sample from."""
-        return (request.num_tokens - 1) // self.prefix_cache.page_size
+        computed, so that it yields logits to sample from; and a request that collects prompt
+        logprobs computes every position it has not scored yet."""
+        pages = (request.num_tokens - 1) // self.prefix_cache.page_size
+        if request.prompt_logprobs is not None:
+            pages = min(pages, request.prompt_logprobs.num_scored // self.prefix_cache.page_size)
+        return pages
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

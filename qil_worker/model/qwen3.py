@@ -2,7 +2,8 @@
 
 One call computes every scheduled token of a step: tokens of different requests are
 concatenated, each with its absolute position and KV slot; the step's attention metadata keeps
-requests apart (``qil_worker.attention``). Logits are computed only for ``sample_indices``.
+requests apart (``qil_worker.attention``). Logits are computed only for ``logit_indices``: the
+sampled positions, and the prompt positions of requests that asked for prompt logprobs.
 """
 
 from __future__ import annotations
@@ -198,11 +199,12 @@ class Qwen3(nn.Module):
         positions: torch.Tensor,
         attention: StepAttention,
         kv: KVCache,
-        sample_indices: torch.Tensor,
+        logit_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Compute all ``input_ids`` [T] and return logits [S, vocab] at ``sample_indices`` [S]."""
+        """Compute all ``input_ids`` [T] and return logits [L, vocab] at ``logit_indices`` [L],
+        one LM-head call for all of them."""
         hidden = self.hidden_states(input_ids, positions, attention, kv)
-        return self.logits(hidden.index_select(0, sample_indices))
+        return self.logits(hidden.index_select(0, logit_indices))
 
     @torch.inference_mode()
     def hidden_states(
@@ -220,7 +222,7 @@ class Qwen3(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head for the rows that are sampled: [S, hidden] → [S, vocab]."""
+        """Final norm and LM head for the rows that need logits: [L, hidden] → [L, vocab]."""
         return self.head(self.norm(hidden))
 
     def pack_weights(self) -> int:

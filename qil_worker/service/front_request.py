@@ -13,7 +13,7 @@ import collections
 import time
 from typing import Protocol
 
-from qil_worker.service.protocol import FinalRecord, FinishReason
+from qil_worker.service.protocol import FinalRecord, FinishReason, PromptLogprobs
 
 
 class Listener(Protocol):
@@ -29,12 +29,13 @@ class FrontRequest:
 
     Per output token i: ``tokens[i]``, and when the worker sends them ``texts[i]`` (the text
     delta that token released), ``logprobs[i]`` and ``top[i]``. Parallel lists, so a reader
-    starting at any cursor gets aligned slices.
+    starting at any cursor gets aligned slices. ``prompt_logprobs`` arrive with token 0 and go
+    out with whichever event starts at seq 0.
     """
 
     __slots__ = (
         "rid", "prompt_len", "tokens", "texts", "logprobs", "top", "final_text", "final", "lost",
-        "cached_tokens", "_listeners",
+        "cached_tokens", "prompt_logprobs", "_listeners",
     )
 
     def __init__(self, rid: str, prompt_len: int) -> None:
@@ -48,6 +49,7 @@ class FrontRequest:
         self.final: FinalRecord | None = None  # how it ended, once it has
         self.lost = False  # ended because the worker died
         self.cached_tokens = 0  # prompt tokens from the prefix cache, once its first token came
+        self.prompt_logprobs: PromptLogprobs | None = None  # asked for, and the prompt is scored
         self._listeners: set[Listener] = set()
 
     def listen(self, listener: Listener) -> None:
@@ -112,9 +114,14 @@ class FrontRequest:
 
 def retained_size(req: FrontRequest) -> int:
     """What keeping a finished request costs, in token-equivalents: each output token, plus one
-    per top-logprob candidate it carries (those dominate: ~100 bytes each in Python objects)."""
+    per top-logprob candidate it carries (those dominate: ~100 bytes each in Python objects);
+    the same for each scored prompt token."""
     width = len(req.top[0]) if req.top else 0
-    return max(1, len(req.tokens) * (1 + width))
+    size = len(req.tokens) * (1 + width)
+    scored = req.prompt_logprobs
+    if scored is not None:
+        size += len(scored.logprobs) * (1 + (len(scored.top[0]) if scored.top else 0))
+    return max(1, size)
 
 
 class Retention:

@@ -217,6 +217,15 @@ class FinalRecord:
 
 
 @message
+class PromptLogprobs:
+    """A request's prompt log-probabilities (``Event.prompt_logprobs``), sent once, with its
+    first token: ``logprobs[i]`` scores prompt token i + 1; ``top`` None unless N > 0."""
+
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+
+
+@message
 class StepTiming:
     seconds: float  # wall time around ``engine.step()``
     batch_size: int  # distinct requests with events in that step
@@ -230,10 +239,12 @@ class StepBatch:
     The events are columns, entry i of each for one event (each request has at most one per
     step): ``token_ids[i]`` is -1 for an end that produced no token, ``texts[i]`` None without a
     tokenizer, ``logprobs[i]`` / ``top_logprobs[i]`` None when not asked for. A request that
-    ended in this step has its ``finals`` entry. Columns pickle as a handful of lists, where a
-    record per event would cost one object per token on both sides of the pipe. ``cached``: the
-    prompt tokens served from the prefix cache of each request whose first token is in this
-    batch (so the front has them should the worker die before the request's final record).
+    ended in this step has its ``finals`` entry, a request whose first token this is and that
+    asked for prompt logprobs its ``prompt_logprobs`` entry (sparse: empty in most steps).
+    Columns pickle as a handful of lists, where a record per event would cost one object per
+    token on both sides of the pipe. ``cached``: the prompt tokens served from the prefix cache
+    of each request whose first token is in this batch (so the front has them should the worker
+    die before the request's final record).
     """
 
     acks: list[Ack]
@@ -246,6 +257,7 @@ class StepBatch:
     stats: PoolStats
     timing: StepTiming | None  # None: the iteration ran no step (only acks)
     cached: dict[str, int]
+    prompt_logprobs: dict[str, PromptLogprobs]
 
     def __reduce__(self) -> tuple:
         # Pickled as plain values under one reconstructor: each class a pickle names costs an
@@ -260,6 +272,7 @@ class StepBatch:
             _STATS(self.stats),
             None if self.timing is None else (self.timing.seconds, self.timing.batch_size),
             self.cached,
+            {rid: (p.logprobs, p.top) for rid, p in self.prompt_logprobs.items()},
         ))
 
 
@@ -268,7 +281,8 @@ _STATS = operator.attrgetter(*(f.name for f in fields(PoolStats)))
 
 
 def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list, tops: list,
-                finals: dict, stats: tuple, timing: tuple | None, cached: dict) -> StepBatch:
+                finals: dict, stats: tuple, timing: tuple | None, cached: dict,
+                prompt_logprobs: dict) -> StepBatch:
     """``StepBatch.__reduce__`` undone."""
     return StepBatch(
         [Ack(rid, n, None if r is None else Rejection(RejectKind(r[0]), r[1], r[2])) for rid, n, r in acks],
@@ -278,6 +292,7 @@ def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list
         PoolStats(*stats),
         None if timing is None else StepTiming(*timing),
         cached,
+        {rid: PromptLogprobs(*p) for rid, p in prompt_logprobs.items()},
     )
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client.options import NAMES as OPTION_NAMES
+from qil_worker.engine.sampling_params import MAX_LOGIT_BIAS
 from qil_worker.service import limits
 from qil_worker.service.errors import invalid
 
@@ -60,6 +61,12 @@ def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
                     f"each must have 1 to {limits.MAX_STOP_STRING_LENGTH} characters, got {len(s)}",
                 )
         options["stop_strings"] = stops
+    if request.logit_bias:
+        # the count here too, before the map crosses to the worker; ids and values are the engine's
+        bias = dict(request.logit_bias)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+        options["logit_bias"] = bias
     for name in OPTION_NAMES:  # Engine.submit takes each under its proto name
         if request.HasField(name):
             options[name] = getattr(request, name)

@@ -85,6 +85,10 @@ class RequestsInFlight:
             req = requests.get(rid)
             if req is not None:
                 req.cached_tokens = cached
+        for rid, scored in batch.prompt_logprobs.items():  # before the token that carries them
+            req = requests.get(rid)
+            if req is not None:
+                req.prompt_logprobs = scored
         for rid, token, text, logprob, top in zip(
             batch.request_ids, batch.token_ids, batch.texts, batch.logprobs, batch.top_logprobs
         ):

@@ -51,6 +51,13 @@ def build_event(req: FrontRequest, cursor: int) -> tuple[pb.Event | None, int, b
             ev.top_logprobs.add().candidates.extend(
                 pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top
             )
+    if cursor == 0 and req.prompt_logprobs is not None:
+        scored = req.prompt_logprobs
+        ev.prompt_logprobs.extend(scored.logprobs)
+        for top in scored.top or ():
+            ev.prompt_top_logprobs.add().candidates.extend(
+                pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top
+            )
     if final is not None:
         ev.finished = True
         ev.finish_reason = final.reason

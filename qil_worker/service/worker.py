@@ -340,6 +340,10 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
         stats=stats,
         timing=timing,
         cached=cached,
+        prompt_logprobs={
+            ev.request_id: P.PromptLogprobs(ev.prompt_logprobs, ev.prompt_top_logprobs)
+            for ev in events if ev.prompt_logprobs is not None
+        },
     )
 
 
