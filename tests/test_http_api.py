@@ -328,3 +328,43 @@ def test_sse_framing_byte_for_byte(server):
 def test_health_and_no_metrics_route_without_metrics(server):
     assert httpx.get(f"http://127.0.0.1:{server.http_port}/health").status_code == 200
     assert httpx.get(f"http://127.0.0.1:{server.http_port}/metrics").status_code == 404
+
+
+def test_logit_bias_forces_a_token(oai, grpc_client):
+    forced = grpc_client.tokenize("z").token_ids[0]
+    out = oai.completions.create(model="tiny", prompt="bias", max_tokens=4, logit_bias={str(forced): 100},
+                                 extra_body={"ignore_eos": True}, **GREEDY)
+    ref = grpc_client.generate(text="bias", max_new_tokens=4, ignore_eos=True, logit_bias={forced: 100.0})
+    assert ref.token_ids == [forced] * 4
+    assert out.choices[0].text == ref.text
+    chat = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, logit_bias={str(forced): 100},
+                                       extra_body={"ignore_eos": True}, **GREEDY)
+    assert chat.choices[0].message.content == "z" * 3
+
+
+def test_echo_with_logprobs_scores_the_prompt(oai, grpc_client):
+    """lm-eval's loglikelihood: echo, logprobs, max_tokens 0 → the prompt's logprobs only."""
+    ids = grpc_client.tokenize("score this prompt").token_ids
+    ref = grpc_client.generate(ids, max_new_tokens=1, prompt_logprobs=2)
+    strings = {t: grpc_client.detokenize([t], skip_special_tokens=False) for t in ids}
+    for prompt in ("score this prompt", ids):
+        out = oai.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2, **GREEDY)
+        choice = out.choices[0]
+        assert choice.text == "score this prompt"
+        assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+        lp = choice.logprobs
+        assert lp.tokens == [strings[t] for t in ids]
+        assert lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(ref.prompt_logprobs, abs=1e-6)
+        assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(ids)
+        for top, t, v in zip(lp.top_logprobs[1:], ids[1:], ref.prompt_logprobs):
+            assert top[strings[t]] == pytest.approx(v, abs=1e-6) and 1 <= len(top) <= 3
+        assert lp.text_offset == [sum(len(strings[t]) for t in ids[:i]) for i in range(len(ids))]
+    gen = oai.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, logprobs=1,
+                                 extra_body={"ignore_eos": True}, **GREEDY)
+    assert len(gen.choices[0].logprobs.tokens) == len(ids) + 3
+    assert gen.usage.completion_tokens == 3
+    streamed = list(oai.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, logprobs=1,
+                                           stream=True, extra_body={"ignore_eos": True}, **GREEDY))
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == gen.choices[0].logprobs.tokens
+    assert "".join(c.choices[0].text for c in streamed) == gen.choices[0].text

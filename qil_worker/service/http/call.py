@@ -93,7 +93,7 @@ async def handle(ctx: "HttpContext", request: web.Request, endpoint: Endpoint) -
         strings = await _strings(ctx, params, reqs, [(r, 0, len(r.tokens)) for r in reqs])
         return web.json_response(
             {**head, "choices": [endpoint.full_choice(state, i, r, strings) for i, r in enumerate(reqs)],
-             "usage": usage(first, reqs)},
+             "usage": usage(first, reqs, not params.hide_output)},
             dumps=_dumps,
         )
     finally:
@@ -137,7 +137,7 @@ async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, 
         return events.response
     if params.include_usage:
         await events.send({**head, "object": endpoint.chunk_object, "choices": [],
-                           "usage": usage(first, choices.reqs)})
+                           "usage": usage(first, choices.reqs, not params.hide_output)})
     await events.close()
     return events.response
 

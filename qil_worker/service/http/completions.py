@@ -1,15 +1,16 @@
-"""``POST /v1/completions``: prompts (text or token ids) → text, with ``echo`` and the
-completions logprobs shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+"""``POST /v1/completions``: prompts (text or token ids) → text, with ``echo`` (and, with
+logprobs, the prompt's own logprobs: ``prompt_logprobs``; ``max_tokens: 0`` then scores a
+prompt without generating, as lm-eval's loglikelihood asks) and the completions logprobs shape
+(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from qil_worker.service.errors import invalid
 from qil_worker.service.front_request import FrontRequest
-from qil_worker.service.http.params import CallParams, completion_params
-from qil_worker.service.http.shapes import completion_logprobs, finish_reason, output_text
+from qil_worker.service.http.params import CallParams, Prompt, completion_params
+from qil_worker.service.http.shapes import completion_logprobs, finish_reason, output_text, prompt_part
 
 if TYPE_CHECKING:
     from qil_worker.service.http.site import HttpContext
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
 class CompletionState:
     n: int
     echo: list[str] | None  # the prompt texts, when echoed
+    hide_output: bool
+    prompt_ids: list[list[int]] | None = None  # echoed with logprobs: each prompt's ids...
+    prompt_strings: dict[int, str] = field(default_factory=dict)  # ...and their strings
     sent: dict[int, int] = field(default_factory=dict)  # choice → characters streamed so far
 
 
@@ -32,17 +36,26 @@ class Completions:
         return completion_params(body)
 
     async def prepare(self, ctx: "HttpContext", params: CallParams) -> CompletionState:
-        echo = None
-        if params.echo:
-            if params.top_logprobs is not None:
-                raise invalid("echo", "echo with logprobs needs prompt logprobs, which this server does not compute yet")
-            has_text = ctx.front.info is None or ctx.front.info.has_tokenizer
-            echo = [
-                p.text if p.text is not None
-                else (await ctx.front.detokenize(p.token_ids or [], False) if has_text else "")
-                for p in params.prompts
-            ]
-        return CompletionState(params.n, echo)
+        state = CompletionState(params.n, None, params.hide_output)
+        if not params.echo:
+            return state
+        front = ctx.front
+        if params.top_logprobs is not None:
+            # the prompt's tokens are scored one by one: their ids are needed here, so text
+            # prompts are tokenized first (as the submit would) and submitted as ids
+            ids = [p.token_ids if p.token_ids is not None else await front.tokenize(p.text, None, None)
+                   for p in params.prompts]
+            state.prompt_ids = ids
+            state.prompt_strings = await ctx.token_strings.of({t for p in ids for t in p})
+        has_text = front.info is None or front.info.has_tokenizer
+        state.echo = [
+            p.text if p.text is not None
+            else (await front.detokenize(p.token_ids or [], False) if has_text else "")
+            for p in params.prompts
+        ]
+        if state.prompt_ids is not None:
+            params.prompts = [Prompt(token_ids=ids) for ids in state.prompt_ids]
+        return state
 
     def opening_chunks(self, state: CompletionState, count: int) -> list[dict]:
         return []
@@ -50,22 +63,32 @@ class Completions:
     def _echo(self, state: CompletionState, index: int) -> str:
         return state.echo[index // state.n] if state.echo is not None else ""
 
+    def _prompt_part(self, state: CompletionState, index: int, req: FrontRequest, strings: dict[int, str]):
+        if state.prompt_ids is None:
+            return None
+        return prompt_part(state.prompt_ids[index // state.n], req, {**state.prompt_strings, **strings})
+
     def chunk_choice(self, state: CompletionState, index: int, req: FrontRequest, start: int, end: int,
                      strings: dict[int, str] | None) -> dict:
-        prefix = self._echo(state, index) if index not in state.sent else ""
+        first = index not in state.sent
+        prefix = self._echo(state, index) if first else ""
+        if state.hide_output:
+            end = start
         before = state.sent.get(index, 0)
-        text = prefix + output_text(req, start, end)
+        text = prefix + ("" if state.hide_output else output_text(req, start, end))
         state.sent[index] = before + len(text)
         logprobs = None
         if strings is not None:
-            logprobs = completion_logprobs(req, start, end, strings, before + len(prefix))
+            prompt = self._prompt_part(state, index, req, strings) if first else None
+            logprobs = completion_logprobs(req, start, end, strings, before + len(prefix), prompt)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(req)}
 
     def full_choice(self, state: CompletionState, index: int, req: FrontRequest,
                     strings: dict[int, str] | None) -> dict:
         echo = self._echo(state, index)
+        end = 0 if state.hide_output else len(req.tokens)
         logprobs = None
         if strings is not None:
-            logprobs = completion_logprobs(req, 0, len(req.tokens), strings, len(echo))
-        return {"index": index, "text": echo + output_text(req, 0, len(req.tokens)),
+            logprobs = completion_logprobs(req, 0, end, strings, len(echo), self._prompt_part(state, index, req, strings))
+        return {"index": index, "text": echo + output_text(req, 0, end),
                 "logprobs": logprobs, "finish_reason": finish_reason(req)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qil_worker.engine.sampling_params import MAX_LOGIT_BIAS
 from qil_worker.service import limits
 from qil_worker.service.errors import invalid
 
@@ -91,6 +92,7 @@ class CallParams:
     options: dict[str, Any] = field(default_factory=dict)  # shared by every request of the call
     top_logprobs: int | None = None  # None: no logprobs
     echo: bool = False
+    hide_output: bool = False  # max_tokens 0: the one token the engine ran is not answered
 
 
 def _get(body: dict, name: str, kind: type, default: Any = None) -> Any:
@@ -206,8 +208,7 @@ def _common(body: dict, chat: bool) -> CallParams:
     logit_bias = body.get("logit_bias")
     if logit_bias is not None:
         options.update(_logit_bias(logit_bias))
-        if "logit_bias" in NOT_IN_THIS_ENGINE:
-            raise invalid("logit_bias", NOT_IN_THIS_ENGINE["logit_bias"])
+
     options.update(_constraint(body, chat))
     return CallParams(
         model=model, prompts=[], n=n, stream=stream, include_usage=include_usage,
@@ -228,6 +229,8 @@ def _logit_bias(value: Any) -> dict[str, Any]:
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise invalid("logit_bias", f"biases must be numbers, got {b!r}")
         bias[tid] = float(b)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
     return {"logit_bias": bias} if bias else {}
 
 
@@ -294,7 +297,6 @@ NOT_IN_THIS_ENGINE: dict[str, str] = {
     "regex": f"regex constraints {_LATER}",
     "grammar": f"grammar constraints {_LATER}",
     "choice": f"choice constraints {_LATER}",
-    "logit_bias": _LATER,
 }
 
 
@@ -308,6 +310,15 @@ def completion_params(body: dict) -> CallParams:
         params.options["logprobs"] = True
         params.options["top_logprobs"] = top
         params.top_logprobs = top
+        if params.echo:
+            params.options["prompt_logprobs"] = top
+    if params.max_new_tokens == 0:
+        # scoring a prompt (lm-eval's loglikelihood): echo it, generate nothing; the engine
+        # runs one token, which the answer leaves out
+        if not params.echo:
+            raise invalid("max_tokens", "0 needs echo: true (a prompt scored, nothing generated)")
+        params.max_new_tokens = 1
+        params.hide_output = True
     _check_choices(params)
     return params
 

@@ -41,10 +41,11 @@ def output_text(req: FrontRequest, start: int, end: int) -> str:
     return text
 
 
-def usage(first_samples: list[FrontRequest], every: list[FrontRequest]) -> dict[str, Any]:
-    """The prompt counted once per prompt (the first sample of each), the output of all."""
+def usage(first_samples: list[FrontRequest], every: list[FrontRequest], output: bool = True) -> dict[str, Any]:
+    """The prompt counted once per prompt (the first sample of each), the output of all
+    (``output`` False: none was answered)."""
     prompt = sum(r.prompt_len for r in first_samples)
-    completion = sum(len(r.tokens) for r in every)
+    completion = sum(len(r.tokens) for r in every) if output else 0
     cached = sum(r.final.num_cached_tokens if r.final is not None else r.cached_tokens for r in first_samples)
     return {
         "prompt_tokens": prompt,
@@ -54,10 +55,28 @@ def usage(first_samples: list[FrontRequest], every: list[FrontRequest]) -> dict[
     }
 
 
+def prompt_part(prompt_ids: list[int], req: FrontRequest, strings: dict[int, str]) -> dict[str, list]:
+    """The echoed prompt's part of completion logprobs: its first token unscored (null), each
+    later one scored under the raw model (``prompt_logprobs``); offsets from the token strings."""
+    scored = req.prompt_logprobs
+    lps: list = [None] + (list(scored.logprobs) if scored is not None else [None] * (len(prompt_ids) - 1))
+    tops: list = [None]
+    for i, t in enumerate(prompt_ids[1:]):
+        cands = scored.top[i] if scored is not None and scored.top else []
+        tops.append({**{strings[c]: clp for c, clp in cands}, strings[t]: lps[i + 1]})
+    offsets, offset = [], 0
+    for t in prompt_ids:
+        offsets.append(offset)
+        offset += len(strings[t])
+    return {"tokens": [strings[t] for t in prompt_ids], "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
 def completion_logprobs(req: FrontRequest, start: int, end: int, strings: dict[int, str],
-                        offset: int) -> dict[str, Any]:
-    """``{tokens, token_logprobs, top_logprobs, text_offset}`` of tokens ``start:end``; each
-    top_logprobs entry includes the sampled token, as the API's does."""
+                        offset: int, prompt: dict[str, list] | None = None) -> dict[str, Any]:
+    """``{tokens, token_logprobs, top_logprobs, text_offset}`` of tokens ``start:end`` (after
+    the echoed ``prompt``'s, when given); each top_logprobs entry includes the sampled token, as
+    the API's does."""
     tokens = req.tokens[start:end]
     lps = req.logprobs[start:end] if req.logprobs is not None else [None] * len(tokens)
     tops = req.top[start:end] if req.top is not None else [[] for _ in tokens]
@@ -66,7 +85,7 @@ def completion_logprobs(req: FrontRequest, start: int, end: int, strings: dict[i
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    return {
+    out = {
         "tokens": [strings[t] for t in tokens],
         "token_logprobs": lps,
         "top_logprobs": [
@@ -74,6 +93,9 @@ def completion_logprobs(req: FrontRequest, start: int, end: int, strings: dict[i
         ],
         "text_offset": offsets,
     }
+    if prompt is not None:
+        out = {k: prompt[k] + out[k] for k in out}
+    return out
 
 
 def chat_logprobs(req: FrontRequest, start: int, end: int, strings: dict[int, str]) -> dict[str, Any]:
@@ -100,6 +122,10 @@ def chat_logprobs(req: FrontRequest, start: int, end: int, strings: dict[int, st
 def ids_for_strings(req: FrontRequest, start: int, end: int) -> set[int]:
     """The token ids whose strings a logprobs answer of ``start:end`` needs."""
     ids = set(req.tokens[start:end])
+    scored = req.prompt_logprobs
+    if start == 0 and scored is not None and scored.top:
+        for top in scored.top:
+            ids.update(c for c, _ in top)
     if req.top is not None:
         for top in req.top[start:end]:
             ids.update(c for c, _ in top)
