@@ -168,7 +168,7 @@ def test_service_ratio_is_best_grpc_round_over_best_in_process_round(monkeypatch
     in_process, over_grpc = iter([100.0, 80.0]), iter([90.0, 70.0])
     monkeypatch.setattr(bs, "load_engine", lambda args, d: types.SimpleNamespace(close=lambda: None))
     server = types.SimpleNamespace(terminate=lambda: None, wait=lambda timeout: 0)
-    monkeypatch.setattr(bs, "start_server", lambda args, d: (server, "x"))
+    monkeypatch.setattr(bs, "start_server", lambda args, d: (server, "x", None))
     monkeypatch.setattr(bs, "_closed_loop", lambda engine, args, prompts: {"tokens_per_s": next(in_process)})
 
     async def fake_grpc(args, target, prompts):
