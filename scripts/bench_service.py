@@ -201,9 +201,12 @@ async def run_http(args, base_url: str, prompts: list[list[int]]) -> dict:
 
 
 def measured(run, pid: int | None) -> dict:
-    """``run()``'s report, with the front's CPU time per event when ``pid`` is given."""
+    """``run()``'s report, with the front's CPU time per event when ``pid`` is given (and the
+    client's, this process's: on a machine with few cores the clients compete with the server)."""
     before = cpu_seconds(pid) if pid else 0.0
+    client_before = time.process_time()
     report = run()
+    report["client_cpu_s"] = time.process_time() - client_before
     if pid and report.get("events"):
         report["front_cpu_s"] = cpu_seconds(pid) - before
         report["front_cpu_us_per_event"] = report["front_cpu_s"] / report["events"] * 1e6

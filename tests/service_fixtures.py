@@ -129,6 +129,7 @@ def serve_process(*args: str, env: dict | None = None) -> tuple[subprocess.Popen
     while time.monotonic() < deadline:
         for line in list(out):
             if line.startswith("qil serving on "):
+                proc.announcement = line  # type: ignore[attr-defined]  # e.g. its "(HTTP on ...)"
                 return proc, line.split()[3], err
         if proc.poll() is not None:
             join_output(proc)

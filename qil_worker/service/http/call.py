@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -73,14 +73,14 @@ async def handle(ctx: "HttpContext", request: web.Request, endpoint: Endpoint) -
     if params.model is not None and params.model != ctx.model_name:
         raise unknown_model(params.model, ctx.model_name)
     front = ctx.front
+    call_id = new_id(endpoint.id_prefix)
     try:
         state = await endpoint.prepare(ctx, params)
-        reqs = await submit_all(front, params, new_id(endpoint.id_prefix))
+        reqs = await submit_all(front, params, call_id)
     except ServiceError as err:
         raise with_api_param(err, endpoint.chat) from None
     choices = Choices(front, reqs)
-    head = {"id": reqs[0].rid.rsplit("-", 1)[0], "object": endpoint.object_name, "created": created(),
-            "model": ctx.model_name}
+    head = {"id": call_id, "object": endpoint.object_name, "created": created(), "model": ctx.model_name}
     first = reqs[:: params.n]
     try:
         if params.stream:
@@ -90,7 +90,7 @@ async def handle(ctx: "HttpContext", request: web.Request, endpoint: Endpoint) -
             failure = request_failure(req)
             if failure is not None:
                 raise failure
-        strings = await _strings(ctx, params, reqs, [(r, 0, len(r.tokens)) for r in reqs])
+        strings = await _strings(ctx, params, [(r, 0, len(r.tokens)) for r in reqs])
         return web.json_response(
             {**head, "choices": [endpoint.full_choice(state, i, r, strings) for i, r in enumerate(reqs)],
              "usage": usage(first, reqs, not params.hide_output)},
@@ -104,8 +104,9 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-async def _strings(ctx: "HttpContext", params: CallParams, reqs: list[FrontRequest],
+async def _strings(ctx: "HttpContext", params: CallParams,
                    spans: list[tuple[FrontRequest, int, int]]) -> dict[int, str] | None:
+    """The strings of the tokens that logprobs of ``spans`` name (None: no logprobs asked)."""
     if params.top_logprobs is None:
         return None
     wanted: set[int] = set()
@@ -124,7 +125,7 @@ async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, 
     try:
         async for index, start, end in choices.updates():
             req = choices.reqs[index]
-            strings = await _strings(ctx, params, choices.reqs, [(req, start, end)])
+            strings = await _strings(ctx, params, [(req, start, end)])
             failure = request_failure(req)
             if failure is not None:
                 raise failure
@@ -145,5 +146,3 @@ async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, 
 def error_response(err: ServiceError) -> web.Response:
     return web.json_response(openai_error(err), status=http_status(err), dumps=_dumps)
 
-
-Handler = Callable[[web.Request], Any]

@@ -8,6 +8,8 @@ import asyncio
 import logging
 from typing import AsyncIterator
 
+import grpc
+
 from qil_worker.service.errors import ServiceError, unavailable
 from qil_worker.service.front import Front
 from qil_worker.service.front_request import FrontRequest
@@ -20,8 +22,6 @@ from qil_worker.service.streams import (
     backlog_error,
     stream_fell_behind,
 )
-
-import grpc
 
 log = logging.getLogger("qil.http")
 

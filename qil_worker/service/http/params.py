@@ -7,6 +7,7 @@ names back to the API's parameter names for its messages.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,7 +114,8 @@ _TYPE_NAMES = {float: "a number", int: "an integer", bool: "a boolean", str: "a 
                dict: "an object", list: "an array"}
 
 
-def _token_ids(value: Any, name: str) -> list[int] | None:
+def _token_ids(value: Any) -> list[int] | None:
+    """``value`` when it is a list of ints (booleans are not), else None."""
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     return None
@@ -127,12 +129,12 @@ def completion_prompts(body: dict) -> list[Prompt]:
         return [Prompt(text=value)]
     if not isinstance(value, list) or not value:
         raise invalid("prompt", f"must be {shape} (non-empty)")
-    ids = _token_ids(value, "prompt")
+    ids = _token_ids(value)
     if ids is not None:
         return [Prompt(token_ids=ids)]
     if all(isinstance(p, str) for p in value):
         return [Prompt(text=p) for p in value]
-    lists = [_token_ids(p, "prompt") for p in value]
+    lists = [_token_ids(p) for p in value]
     if all(ids is not None and ids for ids in lists):
         return [Prompt(token_ids=ids) for ids in lists]
     raise invalid("prompt", f"must be {shape}")
@@ -203,7 +205,7 @@ def _common(body: dict, chat: bool) -> CallParams:
     if stops:
         options["stop_strings"] = stops
     stop_ids = _get(body, "stop_token_ids", list, [])
-    if _token_ids(stop_ids, "stop_token_ids") is None:
+    if _token_ids(stop_ids) is None:
         raise invalid("stop_token_ids", "must be an array of token ids")
     logit_bias = body.get("logit_bias")
     if logit_bias is not None:
@@ -248,8 +250,6 @@ def _constraint(body: dict, chat: bool) -> dict[str, Any]:
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise invalid("response_format", "json_schema must be an object with a 'schema' object")
-            import json
-
             # strict or not, the output is held to the schema (the API's strict mode is what the
             # grammar guarantees anyway)
             found.append(("response_format", {"json_schema": json.dumps(spec.get("schema", {}))}))
@@ -257,8 +257,6 @@ def _constraint(body: dict, chat: bool) -> dict[str, Any]:
             raise invalid("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
     guided = body.get("guided_json")
     if guided is not None:
-        import json
-
         if isinstance(guided, str):
             schema = guided
         elif isinstance(guided, dict):
