@@ -8,6 +8,7 @@ server without a tokenizer is checked.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -279,3 +280,27 @@ def test_auth(model_dir):
         _error(httpx.post(url, json=body, headers=two), 401, None, "authentication_error")
         assert httpx.post(url, json=body, headers={"Authorization": "bEaReR s3cret"}).status_code == 200
         assert httpx.get(f"http://127.0.0.1:{srv.http_port}/health").status_code == 200
+
+
+def test_a_reader_that_stops_reading_is_cut_off_and_its_pages_freed(model_dir):
+    """The gRPC streams' rule: more than --max-stream-backlog tokens unwritten while a write is
+    stuck for a second ends the call and cancels its request."""
+    import socket
+
+    with start_http_server(model_dir, max_stream_backlog=16) as srv:
+        front = srv.server.front
+        # logprobs: big chunks, so that the socket buffers (megabytes on loopback) fill early
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True, "stream": True,
+                           "logprobs": 20}).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connecting: a small window
+            sock.connect(("127.0.0.1", srv.http_port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            wait_until(lambda: front.num_unfinished == 1, timeout=30)
+            (rid,) = front.requests.unfinished_ids()
+            # never read: the request is cancelled once the server's writes are stuck
+            wait_until(lambda: front.num_unfinished == 0, timeout=120, interval=0.05)
+            req = front.find(rid)
+            assert req.final.reason.name == "CANCELLED" and len(req.tokens) < 8000
+        wait_until(lambda: front.stats.pages_used == 0, timeout=30)
