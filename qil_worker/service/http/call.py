@@ -16,7 +16,7 @@ from qil_worker.service.front_request import FrontRequest
 from qil_worker.service.http.choices import Choices, request_failure, submit_all
 from qil_worker.service.http.params import CallParams, param_of
 from qil_worker.service.http.shapes import created, ids_for_strings, new_id, usage
-from qil_worker.service.http.sse import EventStream
+from qil_worker.service.http.sse import ChunkFrame, EventStream
 
 if TYPE_CHECKING:
     from qil_worker.service.http.site import HttpContext
@@ -119,26 +119,27 @@ async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, 
                   state: Any, choices: Choices, head: dict, first: list[FrontRequest]) -> web.StreamResponse:
     events = EventStream(request, choices.writes)
     await events.open()
-    extra = {"usage": None} if params.include_usage else {}
+    chunk_head = {**head, "object": endpoint.chunk_object}
+    # every chunk of one choice: the call's fields around it, encoded once
+    frame = ChunkFrame(chunk_head, params.include_usage)
     for chunk in endpoint.opening_chunks(state, len(choices.reqs)):
-        await events.send({**head, "object": endpoint.chunk_object, "choices": [chunk], **extra})
+        await events.send_raw(frame.encode(chunk))
+    logprobs = params.top_logprobs is not None
     try:
         async for index, start, end in choices.updates():
             req = choices.reqs[index]
-            strings = await _strings(ctx, params, [(req, start, end)])
+            strings = await _strings(ctx, params, [(req, start, end)]) if logprobs else None
             failure = request_failure(req)
             if failure is not None:
                 raise failure
-            choice = endpoint.chunk_choice(state, index, req, start, end, strings)
-            await events.send({**head, "object": endpoint.chunk_object, "choices": [choice], **extra})
+            await events.send_raw(frame.encode(endpoint.chunk_choice(state, index, req, start, end, strings)))
     except ServiceError as err:
         # the status line went out with the first chunk: the error is an event of the stream
         await events.send(openai_error(err))
         await events.close()
         return events.response
     if params.include_usage:
-        await events.send({**head, "object": endpoint.chunk_object, "choices": [],
-                           "usage": usage(first, choices.reqs, not params.hide_output)})
+        await events.send({**chunk_head, "choices": [], "usage": usage(first, choices.reqs, not params.hide_output)})
     await events.close()
     return events.response
 

@@ -48,6 +48,8 @@ async def submit_all(front: Front, params: CallParams, call_id: str) -> list[Fro
             rid = f"{call_id}-{p * params.n + j}"
             jobs.append(front.submit(rid, prompt.token_ids, params.max_new_tokens,
                                      params.stop_token_ids, options))
+    if len(jobs) == 1:  # (the common call: no task for it)
+        return [await jobs[0]]
     results = await asyncio.gather(*jobs, return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
