@@ -133,6 +133,9 @@ def test_stop_strings_and_stop_token_ids(oai, grpc_client):
     for_list = oai.completions.create(model="tiny", prompt="stop here", max_tokens=12, stop=[stop, "zzzz"],
                                       extra_body={"ignore_eos": True}, **GREEDY)
     assert for_list.choices[0].text == out.choices[0].text
+    kept = oai.completions.create(model="tiny", prompt="stop here", max_tokens=12, stop=stop, **GREEDY,
+                                  extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == ref.text[: ref.text.index(stop) + len(stop)]
     by_id = oai.completions.create(model="tiny", prompt="stop here", max_tokens=12, **GREEDY,
                                    extra_body={"ignore_eos": True, "stop_token_ids": [ref.token_ids[2]]})
     assert by_id.choices[0].finish_reason == "stop"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -49,6 +50,7 @@ class HttpContext:
     token_strings: TokenStrings
     auth_token: bytes | None
     metrics: object | None  # a metrics.Metrics (its registry is served at /metrics)
+    created: int = field(default_factory=lambda: int(time.time()))  # the model's "created"
 
 
 def make_app(ctx: HttpContext) -> web.Application:
@@ -90,7 +92,7 @@ def make_app(ctx: HttpContext) -> web.Application:
 
 def _model(ctx: HttpContext) -> dict:
     info = ctx.front.info
-    entry = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "qil"}
+    entry = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "qil"}
     if info is not None:
         entry["max_model_len"] = info.max_position_embeddings
     return entry
