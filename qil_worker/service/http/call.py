@@ -16,7 +16,7 @@ from qil_worker.service.front_request import FrontRequest
 from qil_worker.service.http.choices import Choices, request_failure, submit_all
 from qil_worker.service.http.params import CallParams, param_of
 from qil_worker.service.http.shapes import created, ids_for_strings, new_id, usage
-from qil_worker.service.http.sse import ChunkFrame, EventStream
+from qil_worker.service.http.sse import ChunkFrame, EventStream, dumps
 
 if TYPE_CHECKING:
     from qil_worker.service.http.site import HttpContext
@@ -94,14 +94,10 @@ async def handle(ctx: "HttpContext", request: web.Request, endpoint: Endpoint) -
         return web.json_response(
             {**head, "choices": [endpoint.full_choice(state, i, r, strings) for i, r in enumerate(reqs)],
              "usage": usage(first, reqs, not params.hide_output)},
-            dumps=_dumps,
+            dumps=dumps,
         )
     finally:
         choices.close()
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 async def _strings(ctx: "HttpContext", params: CallParams,
@@ -145,5 +141,5 @@ async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, 
 
 
 def error_response(err: ServiceError) -> web.Response:
-    return web.json_response(openai_error(err), status=http_status(err), dumps=_dumps)
+    return web.json_response(openai_error(err), status=http_status(err), dumps=dumps)
 
