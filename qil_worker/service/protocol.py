@@ -158,6 +158,8 @@ class WorkerInfo:
     max_active: int
     pid: int
     stats: PoolStats
+    # constrained requests can run: the grammar library imports and there is a tokenizer
+    structured_output: bool = False
 
 
 @message
