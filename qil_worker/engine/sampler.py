@@ -1,6 +1,6 @@
 """Choosing the next token of every sampled request: one batched tensor pipeline per step.
 
-Order (as transformers' processors): penalties → min_new_tokens mask → temperature →
+Order: grammar bitmask (structured output) → penalties → min_new_tokens mask → temperature →
 [logprobs are read here] → top-k → top-p → min-p → draw. Requests with different settings share
 the batch; each stage runs only when some request in the step uses it.
 
@@ -19,6 +19,7 @@ import torch
 
 from qil_worker.engine.request import Request
 from qil_worker.engine.transfer import to_device
+from qil_worker.structured.bitmask import GrammarMasks
 
 
 @dataclass
@@ -35,6 +36,9 @@ def uniform_for(seed: int, index: int) -> float:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self.grammar_masks = GrammarMasks()
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         """``logits`` [S, vocab] (row i belongs to ``requests[i]``) → one token per request.
 
@@ -42,6 +46,8 @@ class Sampler:
         """
         params = [r.sampling for r in requests]
         logits = logits.float()
+        if any(r.grammar is not None for r in requests):
+            logits = apply_grammar_masks(logits, requests, self.grammar_masks)
         if any(p.penalized for p in params):
             logits = apply_penalties(logits, requests)
         logits = mask_stops_before_min_tokens(logits, requests)
@@ -81,6 +87,12 @@ class Sampler:
                 list(zip(top_i[i][: p.top_logprobs], top_v[i][: p.top_logprobs])) if p.top_logprobs else None
             )
         return SampleOutput(tokens_l, out_lp, out_top)
+
+
+def apply_grammar_masks(logits: torch.Tensor, requests: list[Request], masks: GrammarMasks) -> torch.Tensor:
+    """Forbid, in the constrained rows only, every token their grammar does not allow now: first,
+    so every later stage (and the logprobs) sees the masked distribution."""
+    return masks.apply(logits, [r.grammar for r in requests])
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
