@@ -236,12 +236,15 @@ BIG_ENUM = json.dumps({"enum": ["v%06d" % i for i in range(12000)]})  # over 100
         (dict(choice=[]), "choice", "empty"),
         (dict(choice=["a", "a"]), "choice", "distinct"),
         (dict(choice=["x" * 1025]), "choice", "at most 1024"),
+        # a long prompt is encoded on the worker's thread first, then its constraint compiled
+        (dict(text="hello " * 4000, regex="([a-z"), "regex", "unclosed character class"),
+        (dict(text="hello " * 4000, choice=["a", "b"]), "max_new_tokens", "positions"),
     ],
 )
 def test_bad_constraints_are_invalid_argument_naming_the_field(client, kwargs, field, says):
     for call in (client.submit, client.generate):
         with pytest.raises(InvalidArgument) as exc:
-            call(text=PROMPT, max_new_tokens=8, **kwargs)
+            call(**{"text": PROMPT, "max_new_tokens": 8, **kwargs})
         assert exc.value.field == field
         assert exc.value.details.startswith(field + ":") and says in exc.value.details, exc.value.details
     assert client.info().num_unfinished == 0
@@ -353,3 +356,10 @@ def test_a_server_that_cannot_run_constraints_says_failed_precondition(text_dir,
         c.close()
     finally:
         srv.stop()
+
+
+def test_the_specs_the_worker_looks_up_in_its_loop_are_still_in_the_compilers_cache():
+    from qil_worker.service.constraint_compiles import INLINE_RECENT
+    from qil_worker.structured.compiler import CACHE_SIZE
+
+    assert 0 < INLINE_RECENT <= CACHE_SIZE  # recent ones compile inline: a hit, never a rebuild

@@ -116,7 +116,7 @@ class ConstraintCompiles:
         try:
             self._engine.grammars.warm()
         except Exception as exc:  # noqa: BLE001 - constrained requests will say why
-            log.info("structured output unavailable: %s", exc)
+            log.warning("structured output unavailable: %s", exc)
 
     def cancel(self, rid: str) -> bool:
         """A cancel for a request still being compiled: it ends as soon as it is submitted."""

@@ -72,7 +72,8 @@ def worker_main(conn: Any, config: dict[str, Any]) -> None:
         sys.exit(3)
     try:
         conn.send(P.Ready(info))
-        code = _serve(conn, engine, parent_pid, warm_structured=config.get("structured_warmup", True))
+        warm = info.structured_output and config.get("structured_warmup", True)
+        code = _serve(conn, engine, parent_pid, warm_structured=warm)
     except (EOFError, OSError):
         log.warning("front went away; worker exits")
         code = 0
@@ -158,10 +159,11 @@ def _load(config: dict[str, Any]):
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
         "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
-        "%d start-up objects frozen for the GC",
+        "structured output: %s; %d start-up objects frozen for the GC",
         info.name, time.perf_counter() - t0, info.dtype, info.device, pool.num_pages,
         info.kv_pool, info.memory, tokenizer_dir or "none", "on" if info.prefix_cache else "off",
-        info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off", frozen,
+        info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off",
+        "on" if info.structured_output else "off", frozen,
     )
     return engine, info
 
@@ -349,10 +351,10 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
     )
 
 
-def _serve(conn: Any, engine: Any, parent_pid: int, warm_structured: bool = True) -> int:
+def _serve(conn: Any, engine: Any, parent_pid: int, warm_structured: bool = False) -> int:
     encoder = PromptEncoder(engine.tokenizer)
     compiles = ConstraintCompiles(engine)
-    if warm_structured and engine.tokenizer is not None:
+    if warm_structured:
         compiles.warm_up()  # after Ready: the model serves while the tables are built
     try:
         return _loop(conn, engine, parent_pid, encoder, compiles)
