@@ -126,6 +126,7 @@ def _load(config: dict[str, Any]):
     engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, retained_results=0, **engine_kw)
     _warm_up(engine, cfg.vocab_size)
     _install_forward_fault(model, os.environ.get(FAULT_FORWARD_ENV))
+    structured = _can_constrain(engine)  # imports the grammar library: before the heap freeze
     frozen = freeze_startup_heap()
     stats = engine.stats()
     info = P.WorkerInfo(
@@ -154,7 +155,7 @@ def _load(config: dict[str, Any]):
         max_active=stats.max_active,
         pid=os.getpid(),
         stats=pool_stats(engine),
-        structured_output=_can_constrain(engine),
+        structured_output=structured,
     )
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
