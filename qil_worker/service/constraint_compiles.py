@@ -147,8 +147,9 @@ class ConstraintCompiles:
             error = pending.compiled.exception()
             submit = pending.submit
             if error is None:
-                rest = {k: v for k, v in submit.options.items() if k not in CONSTRAINT_KINDS}
-                submit = dataclasses.replace(submit, options={**rest, "constraint": pending.compiled.result()})
+                options = {k: v for k, v in submit.options.items() if k not in CONSTRAINT_KINDS}
+                options["constraint"] = pending.compiled.result()
+                submit = dataclasses.replace(submit, options=options)
             done.append((submit, error, pending.cancelled))
         return done
 

@@ -1,9 +1,9 @@
 """A ``SubmitRequest`` → the arguments of ``Engine.submit`` (front side, torch-free).
 
 Only what the wire format itself cannot say is checked here (which prompt form, proto3 presence,
-limits that protect the worker, a constraint's size); every value range is checked once, by the engine, whose
-``InvalidRequestError.field`` uses the same names as the proto fields and reaches the caller
-through ``errors.classify_engine_error``.
+limits that protect the worker, a constraint's size); every value range is checked once, by the
+engine, whose ``InvalidRequestError.field`` uses the same names as the proto fields and reaches
+the caller through ``errors.classify_engine_error``.
 """
 
 from __future__ import annotations

@@ -387,13 +387,16 @@ def _drain(conn: Any, engine: Any, encoder: PromptEncoder, compiles: ConstraintC
     constraint compiled (``compiles``), each on a thread; it is acknowledged then."""
     acks: list[P.Ack] = []
 
+    def submit_now(msg: P.Submit, error: BaseException | None = None, cancelled: bool = False) -> None:
+        acks.append(submit(engine, msg, error))
+        if cancelled:  # a cancel came while it was encoded or compiled
+            engine.cancel(msg.request_id)
+
     def submit_when_ready(msg: P.Submit, error: BaseException | None = None, cancelled: bool = False) -> None:
         if error is None and compiles.takes(msg.options):
             compiles.start(msg, cancelled)  # acknowledged once compiled (``compiles.finished``)
-            return
-        acks.append(submit(engine, msg, error))
-        if cancelled:
-            engine.cancel(msg.request_id)
+        else:
+            submit_now(msg, error, cancelled)
 
     while conn.poll(min(BURST_GAP_S, max(0.0, burst_until - time.monotonic()))):
         msg = conn.recv()
@@ -407,12 +410,10 @@ def _drain(conn: Any, engine: Any, encoder: PromptEncoder, compiles: ConstraintC
                 engine.cancel(msg.request_id)
         elif isinstance(msg, P.Stop):
             return None
-    for msg, error, cancelled in encoder.finished():
-        submit_when_ready(msg, error, cancelled)
-    for msg, error, cancelled in compiles.finished():
-        acks.append(submit(engine, msg, error))
-        if cancelled:
-            engine.cancel(msg.request_id)
+    for encoded in encoder.finished():
+        submit_when_ready(*encoded)
+    for compiled in compiles.finished():
+        submit_now(*compiled)
     return acks
 
 
