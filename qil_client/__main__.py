@@ -2,8 +2,9 @@
 
 Commands: generate (streams the text as it is produced, or the token ids when the server has no
 tokenizer, then prints the metrics), submit, cancel, events, info, health, and tokenize /
-detokenize (a prompt's ids as a submit of it would get them, and ids back to text). The sampling flags
-have the names of ``python -m qil_worker generate``'s; unset flags leave the server's defaults.
+detokenize (a prompt's ids as a submit of it would get them, and ids back to text). The sampling
+and structured-output flags have the names of ``python -m qil_worker generate``'s; unset flags
+leave the server's defaults.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 
-from qil_client import Client, QilError, TLS, options
+from qil_client import Client, QilError, TLS, constraints, options
 from qil_client.cli_help import DefaultsHelpFormatter
 from qil_client.json_output import message_to_dict
 from qil_client.results import ResultBuilder, submit_request
@@ -85,6 +86,7 @@ def request_kwargs(args: argparse.Namespace) -> dict:
         kw["stop_strings"] = args.stop
     if args.logit_bias:
         kw["logit_bias"] = dict(args.logit_bias)
+    kw.update(constraints.from_args(args))
     kw.update(max_new_tokens=args.max_new_tokens, stop_token_ids=args.stop_token_ids,
               request_id=args.request_id)
     return kw
@@ -130,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
                        default=None, help="show special tokens in the text")
         q.add_argument("--request-id", default="", help="client-chosen id (default: the server makes one)")
+        constraints.add_flags(q)
     g.add_argument("--json", action="store_true", help="print one JSON object per event")
     g.add_argument("--ids", action="store_true", help="print token ids even when text comes")
     c = sub.add_parser("cancel", help="cancel requests", formatter_class=fmt)

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from qil_client import constraints
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client.options import NAMES as OPTION_NAMES
 
@@ -223,6 +224,11 @@ def submit_request(
     top_logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
+    json_object: bool | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
 ) -> pb.SubmitRequest:
     """The prompt is exactly one of ``token_ids``, ``text`` or chat ``messages`` (dicts with
     role and content, or (role, content) pairs); text and messages need a server with a
@@ -233,12 +239,17 @@ def submit_request(
     among them are the table ``qil_client.options.OPTIONS``, which a test keeps equal to this
     typed signature (the one editors and type checkers read).
 
+    Structured output: at most one of ``json_schema`` (a JSON Schema as text, or a dict sent as
+    compact JSON), ``json_object=True``, ``regex``, ``grammar`` (llguidance's Lark dialect) or
+    ``choice`` (a list of strings: the output is exactly one); see ``qil_client.constraints``.
+
     Values the wire cannot carry raise here (TypeError, ValueError); values out of range are
     the server's to reject (InvalidArgument naming the field).
     """
     arguments = locals()  # first, before any other local: the options by name
     if isinstance(stop_strings, str):
         raise TypeError("stop_strings must be a list of strings, not a string")
+    constraint = constraints.given(arguments)
     # proto3 sends "" as no text at all: the server would find no prompt and blame token_ids
     if text is not None and not text:
         raise ValueError("text: the prompt is empty")
@@ -269,6 +280,8 @@ def submit_request(
         if value is not None:
             with _naming(name):
                 setattr(req, name, value)
+    for name, value in constraint.items():
+        constraints.set_constraint(req, name, value)
     return req
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from qil_client import options
+from qil_client import constraints, options
 from qil_client.cli_help import DefaultsHelpFormatter
 from qil_worker.errors import QilError
 
@@ -66,6 +66,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="send --prompt as a user chat message")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     add_sampling_arguments(p)
+    constraints.add_flags(p)
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16, auto")
     p.add_argument("--num-pages", type=positive_int, default=512, help="KV cache pages")
@@ -94,7 +95,8 @@ def run_generate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         tokenizer_dir = args.tokenizer or args.model
         tokenizer = None
-        if args.prompt is not None or args.stop or args.tokenizer:
+        constraint = constraints.from_args(args)  # needs a tokenizer too
+        if args.prompt is not None or args.stop or args.tokenizer or constraint:
             tokenizer = load_tokenizer(tokenizer_dir)
         elif has_tokenizer_files(tokenizer_dir):
             tokenizer = load_tokenizer(tokenizer_dir)
@@ -110,7 +112,7 @@ def run_generate(args: argparse.Namespace) -> int:
         stops = parse_token_list(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None
         rid = engine.submit(
             **prompt, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
-            stop_strings=args.stop, **sampling_kwargs(args),
+            stop_strings=args.stop, **sampling_kwargs(args), **constraint,
         )
         while not engine.idle:
             for event in engine.step():

@@ -6,10 +6,11 @@ import collections
 import itertools
 import secrets
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,14 +28,20 @@ from qil_worker.engine.validation import validate_submit
 from qil_worker.errors import (
     DeviceFailedError,
     DuplicateRequestError,
+    FeatureUnavailableError,
     InvalidRequestError,
     TokenizerUnavailableError,
     UnknownRequestError,
 )
 from qil_worker.kv import KVCache, PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.model import Qwen3
+from qil_worker.structured.matcher import CompiledConstraint
+from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.text.output import TextOutput
 from qil_worker.text.prompt import encode_prompt
+
+if TYPE_CHECKING:
+    from qil_worker.structured.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +86,8 @@ class EngineStats:
 class Engine:
     """Continuous batching over a paged KV cache: each ``step()`` is one model forward.
 
-    Not thread-safe: one owner calls ``submit``/``cancel``/``step`` (the worker process loop).
+    Not thread-safe: one owner calls ``submit``/``cancel``/``step`` (the worker process loop);
+    only ``grammars`` and ``compile_constraint`` may be used from other threads meanwhile.
 
     A request's final event carries its ``Result``, and the engine forgets finished requests by
     itself: ``result()`` knows the ``retained_results`` most recent ones (0: none, as a server
@@ -167,6 +175,8 @@ class Engine:
         self._closed = False
         # Why the device can no longer be used (``device_unusable``); the engine then refuses work.
         self.device_failure: str | None = None
+        self._grammars: GrammarCompiler | None = None  # built on first use (structured output)
+        self._grammars_lock = threading.Lock()
 
     @staticmethod
     def scratch_pages(model: Qwen3, cuda_graphs: bool | None = None, debug: bool = False) -> int:
@@ -193,6 +203,12 @@ class Engine:
         stop_strings: Sequence[str] | None = None,
         include_stop_string: bool = False,
         skip_special_tokens: bool = True,
+        json_schema: str | dict | None = None,
+        json_object: bool | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        choice: Sequence[str] | None = None,
+        constraint: CompiledConstraint | None = None,
         **sampling_fields: object,
     ) -> str:
         """Queue a request and return its id; invalid or impossible requests raise at once.
@@ -201,6 +217,14 @@ class Engine:
         tokenizer. Sampling is given as ``sampling=SamplingParams(...)`` or as its fields, e.g.
         ``temperature=0.7, top_p=0.9, seed=1``; the default is greedy. With a tokenizer, events
         carry text deltas and ``stop_strings`` end the request when the text contains one.
+
+        Structured output (needs the tokenizer and the ``structured`` extra): at most one of
+        ``json_schema`` (a JSON Schema, str or dict), ``json_object=True`` (any JSON object),
+        ``regex``, ``grammar`` (llguidance's Lark dialect) or ``choice`` (a list of strings:
+        the output is exactly one) is compiled here (cached), or ``constraint`` is one already
+        compiled by ``compile_constraint``. The output then matches it; the request ends with
+        STOP as soon as the structure is complete (``stop_reason`` None unless an EOS or stop id
+        ended it), and a request cut by ``max_new_tokens`` or a stop string holds a prefix.
         """
         self._check_open()
         if text is not None or messages is not None:
@@ -225,6 +249,11 @@ class Engine:
             raise TypeError("pass either sampling= or sampling fields, not both")
         sampling.validate(max_new_tokens, vocab_size=self.model.config.vocab_size)
         scored_prompt = prompt_logprobs.PromptLogprobs.asked(sampling.prompt_logprobs, len(prompt))
+        spec = ConstraintSpec.from_kwargs(json_schema, json_object, regex, grammar, choice)
+        if spec is not None and constraint is not None:
+            raise InvalidRequestError(spec.kind, "give a constraint or a compiled constraint=, not both")
+        if constraint is not None and not isinstance(constraint, CompiledConstraint):
+            raise TypeError(f"constraint must be a CompiledConstraint, got {type(constraint).__name__}")
         if request_id in self._requests:
             # active, or cancelled with its final event not yet handed out: reusing the id now
             # would interleave two requests' events under one id
@@ -233,6 +262,10 @@ class Engine:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests or request_id in self._results:
                 request_id = f"req-{next(self._ids)}"
+        if spec is not None:
+            constraint = self.compile_constraint(spec)
+        if constraint is not None and constraint.vocab_size != self.model.config.vocab_size:
+            raise ValueError("the constraint was compiled for another model's vocabulary")
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -247,11 +280,43 @@ class Engine:
             if self.tokenizer is None
             else TextOutput(self.tokenizer, stop_strings or (), include_stop_string, skip_special_tokens),
             prompt_logprobs=scored_prompt,
+            grammar=constraint.new_matcher() if constraint is not None else None,
         )
         self._results.pop(request_id, None)  # a finished request of the same id is forgotten
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    @property
+    def grammars(self) -> "GrammarCompiler":
+        """The engine's grammar compiler (thread-safe; created on first use). Raises
+        ``FeatureUnavailableError`` without llguidance or without a tokenizer. Its ``warm()``
+        builds llguidance's tokenizer info ahead of the first constrained request."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise FeatureUnavailableError(
+                        "structured output needs the model's tokenizer; this engine has none "
+                        "(serve a model directory with its tokenizer files and the text extra)"
+                    )
+                from qil_worker.structured.compiler import GrammarCompiler
+
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model.config.vocab_size, sorted(self._eos_ids)
+                )
+            return self._grammars
+
+    def compile_constraint(self, spec: ConstraintSpec) -> CompiledConstraint:
+        """Compile (or find cached) a request's constraint, for ``submit(constraint=...)``;
+        thread-safe, so a worker compiles beside its step loop. Errors name ``spec.kind``:
+        ``InvalidRequestError`` for a constraint that does not compile (the library's message),
+        ``FeatureUnavailableError`` for what is missing."""
+        try:
+            return self.grammars.compile(spec)
+        except FeatureUnavailableError as exc:
+            if exc.field is None:
+                exc.field = spec.kind
+            raise
 
     def cancel(self, request_id: str) -> bool:
         """End a request now and free its pages; True if it was still active."""
@@ -327,6 +392,10 @@ class Engine:
         top_logprobs: list[tuple[int, float]] | None,
     ) -> Event:
         try:
+            if request.grammar is not None:
+                refused = request.grammar.advance(token)
+                if refused is not None:  # a lexer limit, or a token the mask should have forbidden
+                    return self._fail(request, f"constraint: {refused}")
             request.output_token_ids.append(token)
             request.metrics.record_token(now)
             text = request.text.push(token) if request.text is not None else None
@@ -335,6 +404,8 @@ class Engine:
                 reason, request.stop_reason = FinishReason.STOP, token
             elif request.text is not None and request.text.matched_stop is not None:
                 reason, request.stop_reason = FinishReason.STOP, request.text.matched_stop
+            elif request.grammar is not None and request.grammar.stopped:
+                reason = FinishReason.STOP  # the structure is complete; nothing may follow
             elif len(request.output_token_ids) >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
             index = len(request.output_token_ids) - 1
@@ -439,15 +510,30 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int = 16,
         stop_token_ids: Sequence[int] | None = None,
+        *,
+        json_schema: str | dict | None = None,
+        json_object: bool | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        choice: Sequence[str] | None = None,
+        constraint: CompiledConstraint | None = None,
         **sampling_fields: object,
     ) -> list[Result]:
-        """Run a batch of prompts to completion and return their results in order.
+        """Run a batch of prompts to completion and return their results in order; a
+        constraint (see ``submit``) applies to every prompt.
 
         All or nothing: when a prompt is refused, the ones before it are withdrawn."""
+        spec = ConstraintSpec.from_kwargs(json_schema, json_object, regex, grammar, choice)
+        if spec is not None:
+            if constraint is not None:
+                raise InvalidRequestError(spec.kind, "give a constraint or a compiled constraint=, not both")
+            constraint = self.compile_constraint(spec)
         ids: list[str] = []
         try:
             for prompt in prompts:
-                ids.append(self.submit(prompt, max_new_tokens, stop_token_ids, **sampling_fields))
+                ids.append(
+                    self.submit(prompt, max_new_tokens, stop_token_ids, constraint=constraint, **sampling_fields)
+                )
         except Exception:
             self._withdraw(ids)
             raise

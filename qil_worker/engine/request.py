@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qil_worker.engine.outputs import FinishReason, RequestMetrics, Result
 from qil_worker.engine.prompt_logprobs import PromptLogprobs
 from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.kv.page_table import PageTable
 from qil_worker.text.output import TextOutput
+
+if TYPE_CHECKING:
+    from qil_worker.structured.matcher import ConstraintMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -42,6 +46,8 @@ class Request:
     admitted_seq: int = -1  # admission order: the most recent one is preempted first
     times_bypassed: int = 0  # waiting: how often a later request was admitted first (shortest-first)
     text: TextOutput | None = None  # streamed text, when the engine has a tokenizer
+    # structured output: where the output is in its grammar; every accepted token advances it
+    grammar: "ConstraintMatcher | None" = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None

@@ -51,6 +51,9 @@ class FrontConfig:
     # None: the model directory's tokenizer when it has one; a path: that tokenizer
     tokenizer: str | None = None
     use_tokenizer: bool = True
+    # build the grammar library's tokenizer tables when the worker starts (not at the first
+    # constrained request; see --no-structured-warmup)
+    structured_warmup: bool = True
     max_queued: int = 1024
     max_restarts: int = 5
     restart_backoff_s: float = 0.5
@@ -348,6 +351,7 @@ def _worker_config(config: FrontConfig) -> dict[str, Any]:
         "kv_memory_fraction": config.kv_memory_fraction,
         "tokenizer": config.tokenizer,
         "use_tokenizer": config.use_tokenizer,
+        "structured_warmup": config.structured_warmup,
         "log_level": config.log_level,
         "log_format": config.log_format,
     }

@@ -160,6 +160,8 @@ class WorkerInfo:
     max_active: int
     pid: int
     stats: PoolStats
+    # constrained requests can run: the grammar library imports and there is a tokenizer
+    structured_output: bool = False
 
 
 @message

@@ -185,6 +185,7 @@ def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:
         hidden_size=info.hidden_size,
         has_tokenizer=info.has_tokenizer,
         has_chat_template=info.has_chat_template,
+        structured_output=info.structured_output,
     )
     engine_limits = pb.EngineLimits(
         page_size=info.page_size,

@@ -37,7 +37,7 @@ WORKER_STATE_FAILED: WorkerState
 WORKER_STATE_STOPPING: WorkerState
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "messages", "enable_thinking", "max_new_tokens", "stop_token_ids", "stop_strings", "include_stop_string", "skip_special_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "prompt_logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "messages", "enable_thinking", "max_new_tokens", "stop_token_ids", "stop_strings", "include_stop_string", "skip_special_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "prompt_logprobs", "json_schema", "json_object", "regex", "grammar", "choice")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,11 @@ class SubmitRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -93,7 +98,12 @@ class SubmitRequest(_message.Message):
     top_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
     prompt_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    choice: Choices
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -102,6 +112,12 @@ class ChatMessage(_message.Message):
     role: str
     content: str
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens")
@@ -246,7 +262,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "demo", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "num_hidden_layers", "hidden_size", "has_tokenizer", "has_chat_template")
+    __slots__ = ("name", "demo", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "num_hidden_layers", "hidden_size", "has_tokenizer", "has_chat_template", "structured_output")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEMO_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +274,7 @@ class ModelInfo(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     demo: bool
     vocab_size: int
@@ -269,7 +286,8 @@ class ModelInfo(_message.Message):
     hidden_size: int
     has_tokenizer: bool
     has_chat_template: bool
-    def __init__(self, name: _Optional[str] = ..., demo: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    structured_output: bool
+    def __init__(self, name: _Optional[str] = ..., demo: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., structured_output: _Optional[bool] = ...) -> None: ...
 
 class EngineLimits(_message.Message):
     __slots__ = ("page_size", "token_budget", "prefill_chunk", "max_active", "max_queued", "max_request_id_length", "schedule_policy", "attention_backend", "cuda_graphs")
