@@ -54,6 +54,7 @@ SAMPLING = (
     RequestOption("seed", "reproducible sampling whatever else is in the batch (default: random)"),
     RequestOption("min_new_tokens", "no EOS or stop id before this many tokens"),
     RequestOption("ignore_eos", "the model's EOS ids do not stop the request"),
+    RequestOption("n", "samples of the prompt in one request (1 to 64; default 1)"),
 )
 # Returned with each token: the other fields of SamplingParams; flags of the client CLI only.
 LOGPROBS = (RequestOption("logprobs"), RequestOption("top_logprobs"))

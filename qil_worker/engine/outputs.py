@@ -38,6 +38,15 @@ class Event:
     text: str | None = None  # new text (whole characters) when the engine has a tokenizer
     stop_reason: int | str | None = None  # on a STOP final event: the token id or stop string
     result: "Result | None" = None  # on a final event: the request as it ended
+    # With several samples (``n``) each event is of one sample, and a final event ends that
+    # sample only: the request ends with the final event after which no other sample runs.
+    sample_index: int = 0
+    samples_running: int = 0  # other samples of the request not finished after this event
+
+    @property
+    def request_finished(self) -> bool:
+        """Whether the request as a whole ended with this event (its last sample's end)."""
+        return self.finished and self.samples_running == 0
 
 
 @dataclass
@@ -79,6 +88,7 @@ class Result:
     num_cached_tokens: int = 0
     output_text: str | None = None
     stop_reason: int | str | None = None
+    sample_index: int = 0  # which sample of an n-request this is
 
     @classmethod
     def of(
@@ -92,6 +102,7 @@ class Result:
         num_cached_tokens: int = 0,
         output_text: str | None = None,
         stop_reason: int | str | None = None,
+        sample_index: int = 0,
     ) -> "Result":
         def since_arrival(t: float | None) -> float | None:
             return None if t is None else t - m.arrival_time
@@ -115,4 +126,5 @@ class Result:
             num_cached_tokens=num_cached_tokens,
             output_text=output_text,
             stop_reason=stop_reason,
+            sample_index=sample_index,
         )

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qil_worker.engine.outputs import FinishReason, RequestMetrics, Result
 from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.kv.page_table import PageTable
 from qil_worker.text.output import TextOutput
 
+if TYPE_CHECKING:
+    from qil_worker.engine.samples import SampleGroup
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages (new, or preempted to recompute later)
     RUNNING = "running"  # admitted, holds pages for its computed tokens
     FINISHED = "finished"  # ended for good; holds no pages
+    UNFORKED = "unforked"  # a later sample of an n-request, in no queue until sample 0 forks it
 
 
 @dataclass(eq=False)
@@ -44,6 +49,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    sample_index: int = 0  # which of the request's samples this is (``engine.samples``)
+    group: "SampleGroup | None" = None  # the request's samples when it has several
 
     @property
     def num_tokens(self) -> int:
@@ -73,4 +80,5 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             output_text=self.text.text if self.text is not None else None,
             stop_reason=self.stop_reason,
+            sample_index=self.sample_index,
         )

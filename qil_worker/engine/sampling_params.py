@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from qil_worker.engine.samples import MAX_SAMPLES
 from qil_worker.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
@@ -31,6 +32,7 @@ class SamplingParams:
     seed: makes sampling reproducible whatever else is in the batch (None: a random seed).
     min_new_tokens: EOS and stop ids are masked until this many tokens exist.
     ignore_eos: the model's EOS ids do not stop the request (stop_token_ids still do).
+    n: samples of the prompt in this one request, 1 to 64 (``qil_worker.engine.samples``).
     logprobs: return the chosen token's log-probability; top_logprobs: and the N best (≤ 20).
     """
 
@@ -44,6 +46,7 @@ class SamplingParams:
     seed: int | None = None
     min_new_tokens: int = 0
     ignore_eos: bool = False
+    n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -83,6 +86,7 @@ class SamplingParams:
         _integer("min_new_tokens", self.min_new_tokens, low=0, high=max_new_tokens)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", "must be a boolean")
+        _integer("n", self.n, low=1, high=MAX_SAMPLES)
         if not isinstance(self.logprobs, bool):
             raise InvalidRequestError("logprobs", "must be a boolean")
         _integer("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)

@@ -1,0 +1,228 @@
+"""``n`` samples of one prompt in one request: the prompt is computed once and its pages shared,
+each sample draws with its own seed, events and results carry the sample index, cancel ends all,
+and every page is free again after any mix of ends."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
+from qil_worker import Engine, FinishReason, InvalidRequestError
+from qil_worker.engine.samples import MAX_SAMPLES, sample_seed
+from qil_worker.errors import CapacityError
+
+SAMPLED = dict(temperature=1.0, top_k=50, seed=77)
+PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]  # 10 tokens: two full pages of 4 and a partial one
+
+
+def _computed_tokens(engine: Engine) -> list[int]:
+    """Count the tokens each step computes (observed where the scheduler commits them)."""
+    counted = [0]
+    commit = engine.scheduler.commit
+
+    def counting(chunks):
+        counted[0] += sum(c.num_tokens for c in chunks)
+        commit(chunks)
+
+    engine.scheduler.commit = counting
+    return counted
+
+
+def _by_sample(events, rid):
+    out: dict[int, list[int]] = {}
+    for e in events:
+        if e.request_id == rid and e.token_id is not None:
+            out.setdefault(e.sample_index, []).append(e.token_id)
+    return out
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_the_prompt_is_computed_once_and_its_full_pages_are_shared(model, prefix_cache):
+    engine = Engine(model, num_pages=64, page_size=4, prefix_cache=prefix_cache, debug=True)
+    computed = _computed_tokens(engine)
+    rid = engine.submit(PROMPT, max_new_tokens=6, n=4, ignore_eos=True, **SAMPLED)
+    events = engine.step()  # the whole prompt in one chunk: it forks here
+    assert computed[0] == len(PROMPT)
+    assert sorted(e.sample_index for e in events) == [0, 1, 2, 3]  # every sample's first token
+    # 2 full pages shared by all four, plus a partial page each: 2 + 4, not 4 x 3
+    assert engine.stats().num_pages_used == 2 + 4
+    assert engine.stats().num_running == 4
+    events += run_to_completion(engine)
+    # after the prompt, each sample computes its own tokens but the last
+    assert computed[0] == len(PROMPT) + 4 * 5
+    results = engine.results(rid)
+    assert [r.sample_index for r in results] == [0, 1, 2, 3]
+    assert all(len(r.output_token_ids) == 6 and r.finish_reason is FinishReason.LENGTH for r in results)
+    assert _by_sample(events, rid) == {i: r.output_token_ids for i, r in enumerate(results)}
+    assert_pool_free(engine)
+
+
+def test_greedy_samples_are_identical_and_equal_the_single_request(model, ref):
+    engine = Engine(model, num_pages=64, page_size=4)
+    (single,) = engine.generate([PROMPT], max_new_tokens=8)
+    (pair,) = engine.generate([PROMPT], max_new_tokens=8, n=2)
+    assert [r.output_token_ids for r in pair] == [single.output_token_ids] * 2
+    assert single.output_token_ids == reference_greedy(ref, PROMPT, 8, stop_ids=model.config.eos_token_ids)
+    assert_pool_free(engine)
+
+
+def test_each_seeded_sample_equals_a_single_request_with_its_derived_seed(model):
+    engine = Engine(model, num_pages=64, page_size=4)
+    (samples,) = engine.generate([PROMPT], max_new_tokens=12, n=3, **SAMPLED)
+    seeds = [sample_seed(SAMPLED["seed"], i) for i in range(3)]
+    assert seeds[0] == SAMPLED["seed"]  # sample 0 is the request with n = 1
+    alone = [
+        engine.generate([PROMPT], max_new_tokens=12, **{**SAMPLED, "seed": s})[0].output_token_ids
+        for s in seeds
+    ]
+    assert [r.output_token_ids for r in samples] == alone
+    assert len({tuple(a) for a in alone}) == 3, "the samples were meant to differ"
+
+
+def test_seeded_samples_are_the_same_alone_batched_and_after_preemption(model):
+    (alone,) = Engine(model, num_pages=64, page_size=4).generate([PROMPT], max_new_tokens=20, n=3, **SAMPLED)
+
+    tight = Engine(model, num_pages=24, page_size=4, token_budget=24, prefill_chunk=8, debug=True)
+    noise = [tight.submit([i + 1] * (3 + i), max_new_tokens=16, temperature=0.8, seed=i) for i in range(4)]
+    rid = tight.submit(PROMPT, max_new_tokens=20, n=3, **SAMPLED)
+    noise += [tight.submit([50 + i] * 5, max_new_tokens=16, temperature=0.8, seed=i) for i in range(3)]
+    run_to_completion(tight)
+    results = tight.results(rid)
+    assert [r.output_token_ids for r in results] == [r.output_token_ids for r in alone]
+    preemptions = sum(r.num_preemptions for r in results) + sum(tight.result(o).num_preemptions for o in noise)
+    assert preemptions > 0, "the small pool was meant to force preemption"
+    assert_pool_free(tight)
+
+
+def test_one_sample_preempted_mid_run_recomputes_its_own_tokens(model):
+    engine = Engine(model, num_pages=64, page_size=4, debug=True)
+    (expected,) = engine.generate([PROMPT], max_new_tokens=10, n=3, ignore_eos=True, **SAMPLED)
+    rid = engine.submit(PROMPT, max_new_tokens=10, n=3, ignore_eos=True, **SAMPLED)
+    for _ in range(4):
+        engine.step()
+    victim = engine.scheduler.running[-1]  # the newest admitted: a forked sample
+    assert victim.sample_index > 0 and victim.request_id == rid
+    engine.scheduler._preempt(victim)
+    run_to_completion(engine)
+    results = engine.results(rid)
+    assert results[victim.sample_index].num_preemptions == 1
+    assert [r.output_token_ids for r in results] == [r.output_token_ids for r in expected]
+    assert_pool_free(engine)
+
+
+def test_events_carry_the_sample_index_and_the_last_final_ends_the_request(model):
+    engine = Engine(model, num_pages=64, page_size=4)
+    rid = engine.submit(PROMPT, max_new_tokens=5, n=3, ignore_eos=True, **SAMPLED)
+    events = run_to_completion(engine)
+    finals = [e for e in events if e.finished]
+    assert sorted(e.sample_index for e in finals) == [0, 1, 2]
+    assert [e.request_finished for e in finals] == [False, False, True]
+    assert all(e.result.sample_index == e.sample_index for e in finals)
+    by_sample = _by_sample(events, rid)
+    assert {i: engine.results(rid)[i].output_token_ids for i in range(3)} == by_sample
+    for i in range(3):  # per sample, token indices count that sample's output
+        assert [e.index for e in events if e.sample_index == i and e.token_id is not None] == list(range(5))
+
+
+def test_cancel_ends_every_sample_and_frees_every_page(model):
+    engine = Engine(model, num_pages=64, page_size=4, debug=True)
+    rid = engine.submit(PROMPT, max_new_tokens=30, n=4, ignore_eos=True, **SAMPLED)
+    for _ in range(3):
+        engine.step()
+    assert engine.cancel(rid)
+    assert not engine.cancel(rid)
+    events = run_to_completion(engine)
+    finals = [e for e in events if e.finished]
+    assert sorted(e.sample_index for e in finals) == [0, 1, 2, 3]
+    assert all(e.finish_reason is FinishReason.CANCELLED for e in finals)
+    assert [e.request_finished for e in finals][-1] and sum(e.request_finished for e in finals) == 1
+    assert_pool_free(engine)
+    # before the fork too: the samples waiting for the prompt end with it
+    rid = engine.submit(PROMPT * 3, max_new_tokens=4, n=3, **SAMPLED)
+    assert engine.cancel(rid)
+    events = run_to_completion(engine)
+    assert sorted(e.sample_index for e in events if e.finished) == [0, 1, 2]
+    assert_pool_free(engine)
+    # a submit of the same id is possible again once its events are handed out
+    engine.submit(PROMPT, max_new_tokens=2, n=2, request_id=rid)
+    run_to_completion(engine)
+    assert len(engine.results(rid)) == 2
+    assert_pool_free(engine)
+
+
+def test_samples_end_for_their_own_reasons(model):
+    engine = Engine(model, num_pages=96, page_size=4)
+    (greedy,) = engine.generate([PROMPT], max_new_tokens=6, ignore_eos=True)
+    stop = greedy.output_token_ids[3]
+    # greedy: every sample stops at the same id; sampled: each stops (or not) on its own
+    (sampled,) = engine.generate([PROMPT], max_new_tokens=3, n=6, stop_token_ids=[stop], **SAMPLED)
+    for r in sampled:
+        if r.finish_reason is FinishReason.STOP:
+            assert r.output_token_ids[-1] == stop and r.stop_reason == stop
+            assert stop not in r.output_token_ids[:-1]
+        else:
+            assert r.finish_reason is FinishReason.LENGTH and len(r.output_token_ids) == 3
+    assert {r.finish_reason for r in sampled} == {FinishReason.STOP, FinishReason.LENGTH}
+    (mins,) = engine.generate([PROMPT], max_new_tokens=8, n=2, stop_token_ids=[stop], min_new_tokens=8)
+    assert all(len(r.output_token_ids) == 8 for r in mins)
+    (lp,) = engine.generate([PROMPT], max_new_tokens=3, n=2, logprobs=True, top_logprobs=2, **SAMPLED)
+    assert all(r.finish_reason is not None for r in lp)
+    assert_pool_free(engine)
+
+
+def test_a_sample_that_ends_at_its_first_token_leaves_the_others_running(model):
+    engine = Engine(model, num_pages=64, page_size=4, debug=True)
+    (first,) = engine.generate([PROMPT], max_new_tokens=1, n=1)
+    (samples,) = engine.generate([PROMPT], max_new_tokens=4, n=3, stop_token_ids=[first.output_token_ids[0]])
+    assert all(r.output_token_ids == first.output_token_ids and r.finish_reason is FinishReason.STOP for r in samples)
+    (one,) = engine.generate([PROMPT], max_new_tokens=1, n=4, **SAMPLED)
+    assert all(len(r.output_token_ids) == 1 and r.finish_reason is FinishReason.LENGTH for r in one)
+    assert_pool_free(engine)
+
+
+def test_a_failing_step_fails_every_sample_and_frees_the_pages(model, monkeypatch):
+    engine = Engine(model, num_pages=64, page_size=4)
+    rid = engine.submit(PROMPT, max_new_tokens=4, n=3)
+    monkeypatch.setattr(engine.model, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    events = run_to_completion(engine)
+    finals = [e for e in events if e.finished]
+    assert sorted(e.sample_index for e in finals) == [0, 1, 2]
+    assert all(e.finish_reason is FinishReason.ERROR and "boom" in e.error for e in finals)
+    assert finals[-1].request_finished
+    assert [r.finish_reason for r in engine.results(rid)] == [FinishReason.ERROR] * 3
+    assert_pool_free(engine)
+
+
+def test_a_short_pool_at_the_fork_queues_the_sample_to_compute_its_prompt(model):
+    # 10-token prompt, page size 4: sample 0 holds 3 pages, each forked sample needs one more for
+    # its copy of the partial page; with 4 pages in all only one of two gets it
+    engine = Engine(model, num_pages=4, page_size=4, max_active=4, debug=True)
+    (expected,) = Engine(model, num_pages=64, page_size=4).generate([PROMPT], max_new_tokens=2, n=3, **SAMPLED)
+    from qil_worker.engine import samples as samples_module
+
+    real = samples_module.check_fits
+    try:
+        samples_module.check_fits = lambda *a, **k: None  # the pool is too small by design here
+        rid = engine.submit(PROMPT, max_new_tokens=2, n=3, **SAMPLED)
+    finally:
+        samples_module.check_fits = real
+    run_to_completion(engine)
+    assert [r.output_token_ids for r in engine.results(rid)] == [r.output_token_ids for r in expected]
+    assert_pool_free(engine)
+
+
+def test_validation_names_n(model):
+    engine = Engine(model, num_pages=16, page_size=4, max_active=8)
+    for bad in (0, -1, MAX_SAMPLES + 1, 1.5, True):
+        with pytest.raises(InvalidRequestError) as err:
+            engine.submit(PROMPT, max_new_tokens=4, n=bad)
+        assert err.value.field == "n"
+    with pytest.raises(CapacityError) as err:
+        engine.submit(PROMPT, max_new_tokens=4, n=9)  # more than max_active
+    assert err.value.field == "n" and "at most 8" in str(err.value)
+    with pytest.raises(CapacityError) as err:
+        engine.submit(PROMPT, max_new_tokens=20, n=3)  # 3 x 8 pages > 16
+    assert err.value.field == "n"
+    engine.submit(PROMPT, max_new_tokens=20, n=2)  # 2 x 8 fits
+    run_to_completion(engine)
+    assert_pool_free(engine)
