@@ -228,7 +228,9 @@ class StepBatch:
     The events are columns, entry i of each for one event (each request has at most one per
     step): ``token_ids[i]`` is -1 for an end that produced no token, ``texts[i]`` None without a
     tokenizer, ``logprobs[i]`` / ``top_logprobs[i]`` None when not asked for. A request that
-    ended in this step has its ``finals`` entry. Columns pickle as a handful of lists, where a
+    ended in this step has its ``finals`` entry. With several samples (``n``) a request has an
+    event per sample: ``samples[i]`` is the sample of event i (the column is None when every
+    event is of sample 0), and the final of sample s > 0 is keyed ``(request_id, s)``. Columns pickle as a handful of lists, where a
     record per event would cost one object per token on both sides of the pipe.
     """
 
@@ -238,9 +240,10 @@ class StepBatch:
     texts: list[str | None]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
-    finals: dict[str, FinalRecord]
+    finals: dict[str | tuple[str, int], FinalRecord]
     stats: PoolStats
     timing: StepTiming | None  # None: the iteration ran no step (only acks)
+    samples: list[int] | None = None
 
     def __reduce__(self) -> tuple:
         # Pickled as plain values under one reconstructor: each class a pickle names costs an
@@ -254,6 +257,7 @@ class StepBatch:
              for rid, f in self.finals.items()},
             _STATS(self.stats),
             None if self.timing is None else (self.timing.seconds, self.timing.batch_size),
+            self.samples,
         ))
 
 
@@ -262,7 +266,7 @@ _STATS = operator.attrgetter(*(f.name for f in fields(PoolStats)))
 
 
 def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list, tops: list,
-                finals: dict, stats: tuple, timing: tuple | None) -> StepBatch:
+                finals: dict, stats: tuple, timing: tuple | None, samples: list | None = None) -> StepBatch:
     """``StepBatch.__reduce__`` undone."""
     return StepBatch(
         [Ack(rid, n, None if r is None else Rejection(RejectKind(r[0]), r[1], r[2])) for rid, n, r in acks],
@@ -271,6 +275,7 @@ def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list
          for rid, f in finals.items()},
         PoolStats(*stats),
         None if timing is None else StepTiming(*timing),
+        samples,
     )
 
 

@@ -321,7 +321,7 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
         if ev.result is not None:
             if ev.error:
                 log.warning("request failed: %s", ev.error, extra={"request_id": ev.request_id})
-            finals[ev.request_id] = final_record(ev.result)
+            finals[(ev.request_id, ev.sample_index) if ev.sample_index else ev.request_id] = final_record(ev.result)
     return P.StepBatch(
         acks=acks,
         request_ids=[ev.request_id for ev in events],
@@ -332,6 +332,7 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
         finals=finals,
         stats=stats,
         timing=timing,
+        samples=[ev.sample_index for ev in events] if any(ev.sample_index for ev in events) else None,
     )
 
 
