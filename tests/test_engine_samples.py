@@ -226,3 +226,84 @@ def test_validation_names_n(model):
     engine.submit(PROMPT, max_new_tokens=20, n=2)  # 2 x 8 fits
     run_to_completion(engine)
     assert_pool_free(engine)
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    from checkpoints import make_text_checkpoint
+
+    return make_text_checkpoint(tmp_path_factory.mktemp("samples-text"))
+
+
+@pytest.fixture(scope="module")
+def text_engine(text_dir):
+    from qil_worker import Qwen3
+    from qil_worker.text import load_tokenizer
+
+    return Engine(Qwen3.from_directory(text_dir), num_pages=96, page_size=8, tokenizer=load_tokenizer(text_dir))
+
+
+def test_each_sample_has_its_own_text_and_stop_strings(text_engine):
+    engine = text_engine
+    base = dict(text="the quick", max_new_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
+    rid = engine.submit(**base, n=4)
+    events = run_to_completion(engine)
+    full = engine.results(rid)
+    for i, r in enumerate(full):  # streamed text per sample adds up to that sample's text
+        assert "".join(e.text for e in events if e.sample_index == i) == r.output_text
+    # a stop string taken from sample 2's text: each sample stops where its own text has it
+    stop = full[2].output_text[6:8]
+    rid = engine.submit(**base, n=4, stop_strings=[stop])
+    events = run_to_completion(engine)
+    for i, r in enumerate(engine.results(rid)):
+        alone_id = engine.submit(**{**base, "seed": sample_seed(base["seed"], i)}, stop_strings=[stop])
+        run_to_completion(engine)
+        alone = engine.result(alone_id)
+        assert (r.output_token_ids, r.output_text, r.finish_reason) == (
+            alone.output_token_ids, alone.output_text, alone.finish_reason
+        )
+        if stop in full[i].output_text:
+            assert r.finish_reason is FinishReason.STOP and r.stop_reason == stop
+            assert r.output_text == full[i].output_text[: full[i].output_text.find(stop)]
+        assert "".join(e.text for e in events if e.sample_index == i) == r.output_text
+    assert_pool_free(engine)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [7], [1, 2, 3, 4, 5, 6, 7, 8]])
+def test_samples_through_the_padded_decode_path(model, prompt):
+    # cuda_graphs=True off CUDA runs the graphs' padded decode path without capture; a one-token
+    # prompt forks in a decode-only step, a prompt of whole pages has no partial page to copy
+    plain = Engine(model, num_pages=64, page_size=4)
+    padded = Engine(model, num_pages=64, page_size=4, cuda_graphs=True)
+    assert padded.decode_graphs is not None
+    (expected,) = plain.generate([prompt], max_new_tokens=9, n=3, ignore_eos=True, **SAMPLED)
+    (got,) = padded.generate([prompt], max_new_tokens=9, n=3, ignore_eos=True, **SAMPLED)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in expected]
+    singles = [
+        plain.generate([prompt], max_new_tokens=9, ignore_eos=True, **{**SAMPLED, "seed": sample_seed(77, i)})[0]
+        for i in range(3)
+    ]
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in singles]
+    assert_pool_free(padded)
+
+
+def test_the_worker_cli_prints_every_sample(text_dir, text_engine, capsys):
+    import json
+
+    from qil_worker.__main__ import main
+
+    argv = ["generate", "--model", str(text_dir), "--prompt", "hello", "--n", "3", "--max-new-tokens", "6",
+            "--ignore-eos", "--temperature", "1", "--seed", "4"]
+    rid = text_engine.submit(text="hello", max_new_tokens=6, n=3, ignore_eos=True, temperature=1.0, seed=4)
+    run_to_completion(text_engine)
+    want = text_engine.results(rid)
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [s["output_token_ids"] for s in out["samples"]] == [r.output_token_ids for r in want]
+    assert [s["sample_index"] for s in out["samples"]] == [0, 1, 2]
+    assert out["output_token_ids"] == want[0].output_token_ids
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(want[0].output_text)
+    for i in (1, 2):
+        assert f"--- sample {i} ---\n{want[i].output_text}" in printed

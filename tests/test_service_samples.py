@@ -117,3 +117,38 @@ def test_max_queued_counts_a_request_of_several_samples_once(model_dir):
         info = c.info()
         assert info.num_unfinished == 0 and info.pages.used == 0
         assert c.generate(PROMPT, max_new_tokens=2, n=2).samples[1].finish_reason == "length"
+
+
+def test_the_client_cli_prints_every_sample(server, capsys):
+    import json
+
+    from qil_client.__main__ import main
+
+    argv = ["--target", server.target, "generate", "--token-ids", json.dumps(PROMPT), "--max-new-tokens", "5",
+            "--n", "3", "--ignore-eos", "--temperature", "1", "--seed", "7"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for i in (1, 2):
+        assert f"--- sample {i} ---" in out
+    assert sum(line.startswith("request ") and " sample " in line for line in out.splitlines()) == 3
+    assert main(argv + ["--json"]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {e["sample_index"] for e in events} == {0, 1, 2}
+    assert sum(e["sample_finished"] for e in events) == 3 and events[-1]["finished"]
+    assert sum(len(e["token_ids"]) for e in events) == 15
+
+
+def test_the_async_client_groups_the_samples(server):
+    import asyncio
+
+    from qil_client import AsyncClient
+
+    async def run():
+        async with AsyncClient(server.target, timeout=60) as c:
+            return await c.generate(PROMPT, max_new_tokens=4, n=2, ignore_eos=True, **SEEDED)
+
+    result = asyncio.run(run())
+    with Client(server.target, timeout=60) as c:
+        sync = c.generate(PROMPT, max_new_tokens=4, n=2, ignore_eos=True, **SEEDED)
+    assert [s.token_ids for s in result.samples] == [s.token_ids for s in sync.samples]
+    assert all(len(s.token_ids) == 4 for s in result.samples)
