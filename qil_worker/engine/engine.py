@@ -16,8 +16,8 @@ import torch
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.attention.choice import choose_backend
 from qil_worker.engine.batch import build_step_batch
-from qil_worker.engine.decode_graphs import DecodeGraphs
 from qil_worker.engine import samples
+from qil_worker.engine.decode_graphs import DecodeGraphs
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
 from qil_worker.engine.request import Request
 from qil_worker.engine.sampler import Sampler
@@ -296,8 +296,9 @@ class Engine:
                     batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices
                 )
                 computed, sampled_chunks = batch.chunks, batch.sampled
-            forks = samples.forking([c.request for c in sampled_chunks])
-            logits, sampled_requests = samples.with_fork_rows(logits, [c.request for c in sampled_chunks], forks)
+            sampled_requests = [c.request for c in sampled_chunks]
+            forks = samples.forking(sampled_requests)  # n-requests whose prompt is computed now
+            logits, sampled_requests = samples.with_fork_rows(logits, sampled_requests, forks)
             sampled = self.sampler.sample(logits, sampled_requests)
         except Exception as exc:  # the whole forward failed: fail its requests, keep serving
             log.exception("step failed for %d request(s)", len(chunks))

@@ -109,10 +109,7 @@ def make_samples(first: "Request", n: int, text: "Callable[[], TextOutput | None
 def forking(requests: list["Request"]) -> list[tuple[int, list["Request"]]]:
     """(row, samples) for each sampled request whose samples fork now: sample 0 is about to draw
     its first token, so its row's logits are those of every sample's first token."""
-    return [
-        (row, unforked(r)) for row, r in enumerate(requests)
-        if r.group is not None and not r.output_token_ids and unforked(r)
-    ]
+    return [(row, unforked(r)) for row, r in enumerate(requests) if r.group is not None and unforked(r)]
 
 
 def fork(
