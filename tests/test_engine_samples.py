@@ -307,3 +307,50 @@ def test_the_worker_cli_prints_every_sample(text_dir, text_engine, capsys):
     assert printed.startswith(want[0].output_text)
     for i in (1, 2):
         assert f"--- sample {i} ---\n{want[i].output_text}" in printed
+
+
+def test_sample_0_preempted_before_the_fork_still_forks_them_all_once(model):
+    prompt = list(range(1, 21))  # 20 tokens: three chunks of 8
+    (expected,) = Engine(model, num_pages=64, page_size=4).generate([prompt], max_new_tokens=6, n=3, **SAMPLED)
+    engine = Engine(model, num_pages=64, page_size=4, prefill_chunk=8, prefix_cache=False, debug=True)
+    computed = _computed_tokens(engine)
+    rid = engine.submit(prompt, max_new_tokens=6, n=3, ignore_eos=True, **SAMPLED)
+    engine.step()
+    assert computed[0] == 8 and engine.stats().num_running == 1
+    engine.scheduler._preempt(engine.scheduler.running[0])
+    run_to_completion(engine)
+    results = engine.results(rid)
+    assert [r.output_token_ids for r in results] == [r.output_token_ids for r in expected]
+    assert results[0].num_preemptions == 1
+    assert computed[0] == 8 + 20 + 3 * 5  # the prompt again after the preemption, then once per sample
+    assert_pool_free(engine)
+
+
+def test_the_prefix_cache_sees_one_request_and_keeps_its_pages(model):
+    engine = Engine(model, num_pages=64, page_size=4)
+    engine.generate([PROMPT], max_new_tokens=4, n=3, **SAMPLED)
+    assert engine.prefix_cache.queried_tokens == len(PROMPT)  # counted once, at sample 0's admission
+    assert engine.stats().num_pages_cached == 2  # the two full prompt pages, idle once all let go
+    (again,) = engine.generate([PROMPT], max_new_tokens=4, n=2, **SAMPLED)
+    assert all(r.num_cached_tokens == 8 for r in again)
+    assert_pool_free(engine)
+
+
+def test_the_worker_batch_carries_each_event_s_sample_and_final(model):
+    import pickle
+
+    from qil_worker.service import protocol as P
+    from qil_worker.service import worker
+
+    engine = Engine(model, num_pages=64, page_size=4)
+    rid = engine.submit(PROMPT, max_new_tokens=2, n=3, ignore_eos=True, **SAMPLED)
+    first = engine.step()
+    stats = worker.pool_stats(engine)
+    batch = pickle.loads(pickle.dumps(worker.step_batch([], first, stats, None)))
+    assert batch.samples == [0, 1, 2] and batch.request_ids == [rid] * 3 and not batch.finals
+    last = pickle.loads(pickle.dumps(worker.step_batch([], engine.step(), stats, None)))
+    assert set(last.finals) == {rid, (rid, 1), (rid, 2)}
+    assert all(f.reason is P.FinishReason.LENGTH and f.num_output_tokens == 2 for f in last.finals.values())
+    # a batch of sample-0 events only has no column
+    engine.submit(PROMPT, max_new_tokens=1)
+    assert worker.step_batch([], engine.step(), stats, None).samples is None
