@@ -152,3 +152,52 @@ def test_the_async_client_groups_the_samples(server):
         sync = c.generate(PROMPT, max_new_tokens=4, n=2, ignore_eos=True, **SEEDED)
     assert [s.token_ids for s in result.samples] == [s.token_ids for s in sync.samples]
     assert all(len(s.token_ids) == 4 for s in result.samples)
+
+
+def _record(reason, output):
+    from qil_worker.service.protocol import FinalRecord, RequestMetrics
+
+    return FinalRecord(reason, None, 2, output, 0, None, RequestMetrics(0.1, 0.2, 0.0, 0.0, 0.3, 0))
+
+
+def _drain(req, cursor):
+    from qil_worker.service.streams import ends_before, next_event
+
+    events, seen = [], ends_before(req, cursor)
+    while True:
+        ev, cursor, seen, done = next_event(req, cursor, seen)
+        if ev is None:
+            return events
+        events.append((ev.seq, ev.sample_index, list(ev.token_ids), ev.sample_finished, ev.finished))
+        if done:
+            return events
+
+
+def test_the_front_log_keeps_the_samples_apart_and_their_ends_in_place():
+    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.protocol import FinishReason as R
+
+    req = FrontRequest("r", prompt_len=2, n=3)
+    for token, sample in ((10, 0), (20, 1), (30, 2), (11, 0)):
+        req.append(token, None, None, None, sample=sample)
+    req.append(21, None, None, None, _record(R.STOP, 2), sample=1)  # an end with its token
+    req.append(-1, None, None, None, _record(R.CANCELLED, 1), sample=2)  # an end without one
+    assert req.final is None and _drain(req, 0)[-1] == (5, 2, [], True, False)
+    req.append(12, None, None, None, _record(R.LENGTH, 3), sample=0)
+    assert req.final is not None and req.final.reason is R.LENGTH  # the last sample's end
+    assert _drain(req, 0) == [
+        (0, 0, [10], False, False), (1, 1, [20], False, False), (2, 2, [30], False, False),
+        (3, 0, [11], False, False), (4, 1, [21], True, False), (5, 2, [], True, False),
+        (5, 0, [12], True, True),
+    ]
+    # from the middle: the tokens from there on, and the ends at or after it
+    assert _drain(req, 5) == [(5, 1, [], True, False), (5, 2, [], True, False), (5, 0, [12], True, True)]
+    assert _drain(req, 6) == [(6, 0, [], True, True)]
+    # an error in the front ends every sample that has not ended
+    lost = FrontRequest("l", prompt_len=2, n=2)
+    lost.append(7, None, None, None, sample=1)
+    lost.lose("worker died")
+    assert [(e.sample, e.record.num_output_tokens, e.record.reason) for e in lost.ends] == [
+        (0, 0, R.ERROR), (1, 1, R.ERROR)
+    ]
+    assert _drain(lost, 0) == [(0, 1, [7], False, False), (1, 0, [], True, False), (1, 1, [], True, True)]

@@ -228,10 +228,11 @@ class StepBatch:
     The events are columns, entry i of each for one event (each request has at most one per
     step): ``token_ids[i]`` is -1 for an end that produced no token, ``texts[i]`` None without a
     tokenizer, ``logprobs[i]`` / ``top_logprobs[i]`` None when not asked for. A request that
-    ended in this step has its ``finals`` entry. With several samples (``n``) a request has an
+    ended in this step has its ``finals`` entry. A request of several samples (``n``) has one
     event per sample: ``samples[i]`` is the sample of event i (the column is None when every
-    event is of sample 0), and the final of sample s > 0 is keyed ``(request_id, s)``. Columns pickle as a handful of lists, where a
-    record per event would cost one object per token on both sides of the pipe.
+    event is of sample 0), and the final of sample s > 0 is keyed ``(request_id, s)``. Columns
+    pickle as a handful of lists, where a record per event would cost one object per token on
+    both sides of the pipe.
     """
 
     acks: list[Ack]

@@ -53,7 +53,10 @@ def next_event(req: FrontRequest, cursor: int, ends_seen: int) -> tuple[pb.Event
     and that end when it is this sample's. Returns ``(event or None, cursor, ends_seen, done)``.
     """
     n = len(req.tokens)
-    end = req.ends[ends_seen] if ends_seen < len(req.ends) else None
+    ends = req.ends
+    while ends_seen < len(ends) and ends[ends_seen].position < cursor:
+        ends_seen += 1  # (a reader that subscribed ahead of the output: ended before its from_seq)
+    end = ends[ends_seen] if ends_seen < len(ends) else None
     if end is not None and end.position <= cursor:  # an end with no token of its own left
         ev = pb.Event(request_id=req.rid, seq=cursor, sample_index=end.sample)
         if req.texts is not None:
