@@ -174,30 +174,45 @@ def _error_line(err: QilError) -> str:
 
 
 def _print_events(events, as_json: bool, ids: bool = False, from_seq: int = 0) -> int:
+    """Stream the output (of sample 0, with several samples: the others are printed at the
+    end), then one summary line per sample; ``--json``: every event as it comes."""
     builder = ResultBuilder(start_seq=from_seq)
     for ev in events:
         builder.add(ev)
         if as_json:
             print(json.dumps(message_to_dict(ev)), flush=True)
+        elif ev.sample_index:
+            continue
         elif ev.HasField("text") and not ids:
             print(ev.text, end="", flush=True)
         elif ev.token_ids:
             print(" ".join(str(t) for t in ev.token_ids), end=" ", flush=True)
-    r = builder.result()
+    result = builder.result()
+    samples = result.samples or [result]
     if not as_json:
         print(flush=True)
-        m = r.metrics
-        print(
-            f"request {r.request_id}: {r.num_output_tokens} tokens, finish={r.finish_reason}"
-            + (f" stop={r.stop_reason!r}" if r.stop_reason is not None else "")
-            + (f" error={r.error!r}" if r.error else "")
-            + f" | prompt {r.num_prompt_tokens} tokens ({r.num_cached_tokens} cached)"
-            + f" | queue {m.queue_time_s * 1e3:.1f} ms, ttft {m.ttft_s * 1e3:.1f} ms,"
-            f" itl mean {m.mean_itl_s * 1e3:.2f} ms max {m.max_itl_s * 1e3:.2f} ms,"
-            f" e2e {m.e2e_s * 1e3:.1f} ms, preemptions {m.num_preemptions}",
-            flush=True,
-        )
-    return 0 if r.finish_reason in ("stop", "length") else 1
+        for r in samples:
+            if r.sample_index:
+                print(f"--- sample {r.sample_index} ---")
+                shown = r.text if r.text is not None and not ids else " ".join(str(t) for t in r.token_ids)
+                print(shown, flush=True)
+            _print_summary(r, len(samples) > 1)
+    return 0 if all(r.finish_reason in ("stop", "length") for r in samples) else 1
+
+
+def _print_summary(r, several: bool) -> None:
+    m = r.metrics
+    print(
+        f"request {r.request_id}" + (f" sample {r.sample_index}" if several else "")
+        + f": {r.num_output_tokens} tokens, finish={r.finish_reason}"
+        + (f" stop={r.stop_reason!r}" if r.stop_reason is not None else "")
+        + (f" error={r.error!r}" if r.error else "")
+        + f" | prompt {r.num_prompt_tokens} tokens ({r.num_cached_tokens} cached)"
+        + f" | queue {m.queue_time_s * 1e3:.1f} ms, ttft {m.ttft_s * 1e3:.1f} ms,"
+        f" itl mean {m.mean_itl_s * 1e3:.2f} ms max {m.max_itl_s * 1e3:.2f} ms,"
+        f" e2e {m.e2e_s * 1e3:.1f} ms, preemptions {m.num_preemptions}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,17 +116,39 @@ def run_generate(args: argparse.Namespace) -> int:
         )
         while not engine.idle:
             for event in engine.step():
-                if args.json:
+                if args.json or event.sample_index:  # (more samples: printed after the first)
                     continue
                 if event.text is not None:
                     print(event.text, end="", flush=True)
                 elif event.token_id is not None:
                     print(event.token_id, end=" ", flush=True)
-        result = engine.result(rid)
+        results = engine.results(rid)
     except QilError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    metrics = {
+    # as the client CLI: every sample must end by stop or length
+    failed = 1 if any(r.finish_reason.value not in ("stop", "length") for r in results) else 0
+    if args.json:
+        out = _summary(results[0])
+        if len(results) > 1:
+            out["samples"] = [{"sample_index": i, **_summary(r)} for i, r in enumerate(results)]
+        print(json.dumps(out))
+        return failed
+    for i, result in enumerate(results):
+        if i:
+            print(f"\n--- sample {i} ---")
+            print(result.output_text if result.output_text is not None else "", end="")
+        _print_summary(result)
+    return failed
+
+
+def _summary(result) -> dict[str, object]:
+    """One engine ``Result`` as the JSON output's fields."""
+    return {"output_token_ids": result.output_token_ids, "text": result.output_text, **_metrics(result)}
+
+
+def _metrics(result) -> dict[str, object]:
+    return {
         "finish_reason": result.finish_reason.value,
         "stop_reason": result.stop_reason,
         "prompt_tokens": len(result.prompt_token_ids),
@@ -135,10 +157,10 @@ def run_generate(args: argparse.Namespace) -> int:
         "completion_time_s": result.completion_time,
         "mean_inter_token_latency_s": result.mean_inter_token_latency,
     }
-    failed = 1 if result.finish_reason.value not in ("stop", "length") else 0  # as the client CLI
-    if args.json:
-        print(json.dumps({"output_token_ids": result.output_token_ids, "text": result.output_text, **metrics}))
-        return failed
+
+
+def _print_summary(result) -> None:
+    metrics = _metrics(result)
     itl = metrics["mean_inter_token_latency_s"]
     print()
     print(f"tokens: {result.output_token_ids}")
@@ -148,4 +170,3 @@ def run_generate(args: argparse.Namespace) -> int:
         + (f"  ITL {itl * 1000:.1f}ms" if itl is not None else "")
         + (f"  error: {result.error}" if result.error else "")
     )
-    return failed

@@ -18,6 +18,7 @@ from qil_worker.attention.backend import AttentionBackend
 from qil_worker.attention.choice import choose_backend
 from qil_worker.engine import prompt_logprobs
 from qil_worker.engine.batch import build_step_batch
+from qil_worker.engine import samples
 from qil_worker.engine.decode_graphs import DecodeGraphs
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
 from qil_worker.engine.request import Request
@@ -170,7 +171,8 @@ class Engine:
         if not isinstance(retained_results, int) or retained_results < 0:
             raise ValueError(f"retained_results must be a non-negative integer, got {retained_results!r}")
         self._retained_results = retained_results
-        self._results: collections.OrderedDict[str, Result] = collections.OrderedDict()
+        # per request, the result of each sample (one unless it asked for n > 1)
+        self._results: collections.OrderedDict[str, list[Result]] = collections.OrderedDict()
         self._ids = itertools.count()
         self._closed = False
         # Why the device can no longer be used (``device_unusable``); the engine then refuses work.
@@ -225,6 +227,9 @@ class Engine:
         compiled by ``compile_constraint``. The output then matches it; the request ends with
         STOP as soon as the structure is complete (``stop_reason`` None unless an EOS or stop id
         ended it), and a request cut by ``max_new_tokens`` or a stop string holds a prefix.
+
+        ``n`` (a sampling field): that many samples of the prompt, computed once; each event
+        and result then carries its ``sample_index`` (see ``qil_worker.engine.samples``).
         """
         self._check_open()
         if text is not None or messages is not None:
@@ -254,6 +259,7 @@ class Engine:
             raise InvalidRequestError(spec.kind, "give a constraint or a compiled constraint=, not both")
         if constraint is not None and not isinstance(constraint, CompiledConstraint):
             raise TypeError(f"constraint must be a CompiledConstraint, got {type(constraint).__name__}")
+        samples.check_fits(sampling.n, len(prompt), max_new_tokens, self.scheduler, self.page_size)
         if request_id in self._requests:
             # active, or cancelled with its final event not yet handed out: reusing the id now
             # would interleave two requests' events under one id
@@ -282,6 +288,15 @@ class Engine:
             prompt_logprobs=scored_prompt,
             grammar=constraint.new_matcher() if constraint is not None else None,
         )
+        if sampling.n > 1:
+
+            def fresh(sample: Request) -> None:
+                sample.text = None if self.tokenizer is None else TextOutput(
+                    self.tokenizer, stop_strings or (), include_stop_string, skip_special_tokens
+                )
+                sample.grammar = constraint.new_matcher() if constraint is not None else None
+
+            samples.make_samples(request, sampling.n, fresh)
         self._results.pop(request_id, None)  # a finished request of the same id is forgotten
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -319,13 +334,13 @@ class Engine:
             raise
 
     def cancel(self, request_id: str) -> bool:
-        """End a request now and free its pages; True if it was still active."""
+        """End a request (all its samples) now and free its pages; True if it was still active."""
         request = self._requests.get(request_id)
-        if request is None or request.finished:
-            return False
-        self._finish(request, FinishReason.CANCELLED)
-        self._pending.append(self._final_event(request, handed_out_now=False))
-        return True
+        live = [] if request is None else [m for m in samples.members(request) if not m.finished]
+        for sample in live:
+            self._finish(sample, FinishReason.CANCELLED)
+            self._pending.append(samples.tagged(self._final_event(sample, handed_out_now=False), sample))
+        return bool(live)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -334,7 +349,7 @@ class Engine:
         self._check_open()
         events, self._pending = self._pending, []
         for event in events:  # the cancelled requests' ids are free again
-            del self._requests[event.request_id]
+            self._requests.pop(event.request_id, None)
         chunks = self.scheduler.schedule()
         if not chunks:
             return events
@@ -358,29 +373,36 @@ class Engine:
                 if batch.prompt_rows:  # the rows after the sampled ones score prompt tokens
                     prompt_logprobs.score(logits[len(sampled_chunks):], batch.prompt_rows)
                     logits = logits[: len(sampled_chunks)]
-            sampled = self.sampler.sample(logits, [c.request for c in sampled_chunks])
+            sampled_requests = [c.request for c in sampled_chunks]
+            forks = samples.forking(sampled_requests)  # n-requests whose prompt is computed now
+            logits, sampled_requests = samples.with_fork_rows(logits, sampled_requests, forks)
+            sampled = self.sampler.sample(logits, sampled_requests)
         except Exception as exc:  # the whole forward failed: fail its requests, keep serving
             log.exception("step failed for %d request(s)", len(chunks))
             message = f"step failed: {type(exc).__name__}: {exc}"
             failed = [chunk.request for chunk in chunks]
+            failed += [s for r in failed for s in samples.unforked(r)]  # their prompt failed too
             if device_unusable(exc):  # no later step can succeed: end everything, refuse work
                 self.device_failure = message
-                in_step = {r.request_id for r in failed}
+                in_step = set(failed)
                 failed += [
-                    r for r in self._requests.values() if not r.finished and r.request_id not in in_step
+                    m for r in self._requests.values() for m in samples.members(r)
+                    if not m.finished and m not in in_step
                 ]
             for request in failed:
-                events.append(self._fail(request, message))
+                events.append(samples.tagged(self._fail(request, message), request))
             return events
         self.scheduler.commit(computed)
+        for row, group in forks:  # before any token is accepted: a sample that ends holds the pages
+            samples.fork(sampled_requests[row], group, self.scheduler, self.pool, self.kv)
         now = time.perf_counter()
-        for i, chunk in enumerate(sampled_chunks):
+        for i, request in enumerate(sampled_requests):
             event = self._accept_token(
-                chunk.request, sampled.tokens[i], now, sampled.logprobs[i], sampled.top_logprobs[i]
+                request, sampled.tokens[i], now, sampled.logprobs[i], sampled.top_logprobs[i]
             )
-            if chunk.request.prompt_logprobs is not None:
-                event = chunk.request.prompt_logprobs.attach(event)
-            events.append(event)
+            if request.prompt_logprobs is not None:
+                event = request.prompt_logprobs.attach(event)
+            events.append(samples.tagged(event, request))
         return events
 
     def _accept_token(
@@ -448,12 +470,15 @@ class Engine:
 
     def _retire(self, request: Request, keep_id: bool = False) -> Result:
         """A finished request's result, kept among the newest ``retained_results``; the request
-        itself is forgotten (``keep_id``: once its final event is handed out)."""
+        itself is forgotten (``keep_id``: once its final event is handed out). A request of
+        several samples is forgotten, and its results kept, with its last sample."""
         result = request.result()
+        if request.group is not None and request.group.running_after(request):
+            return result
         if not keep_id:
             self._requests.pop(request.request_id, None)
         if self._retained_results:
-            self._results[request.request_id] = result
+            self._results[request.request_id] = [m.result() for m in samples.members(request)]
             while len(self._results) > self._retained_results:
                 self._results.popitem(last=False)
         return result
@@ -467,12 +492,17 @@ class Engine:
 
     def result(self, request_id: str) -> Result:
         """The request as it stands: an active one, or a finished one still retained (the
-        ``retained_results`` most recent, unless released)."""
+        ``retained_results`` most recent, unless released). Of a request with several samples:
+        sample 0 (``results`` has them all)."""
+        return self.results(request_id)[0]
+
+    def results(self, request_id: str) -> list[Result]:
+        """``result`` of every sample of the request, in sample order (one unless ``n > 1``)."""
         request = self._requests.get(request_id)
         if request is not None:
-            return request.result()
+            return [m.result() for m in samples.members(request)]
         try:
-            return self._results[request_id]
+            return list(self._results[request_id])
         except KeyError:
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
 
@@ -484,7 +514,7 @@ class Engine:
         """Forget a finished request's result now (one the engine already let go of, or never
         knew, is nothing to forget)."""
         request = self._requests.get(request_id)
-        if request is not None and not request.finished:
+        if request is not None and not all(m.finished for m in samples.members(request)):
             raise ValueError(f"request {request_id!r} is still active; cancel it first")
         self._results.pop(request_id, None)
 
@@ -518,8 +548,9 @@ class Engine:
         choice: Sequence[str] | None = None,
         constraint: CompiledConstraint | None = None,
         **sampling_fields: object,
-    ) -> list[Result]:
-        """Run a batch of prompts to completion and return their results in order; a
+    ) -> list[Result] | list[list[Result]]:
+        """Run a batch of prompts to completion and return their results in order; with
+        ``n > 1`` (a sampling field), a list of the ``n`` samples' results per prompt. A
         constraint (see ``submit``) applies to every prompt.
 
         All or nothing: when a prompt is refused, the ones before it are withdrawn."""
@@ -538,27 +569,35 @@ class Engine:
             self._withdraw(ids)
             raise
         wanted = set(ids)
-        results: dict[str, Result] = {}
-        while len(results) < len(ids):
+        results: dict[str, dict[int, Result]] = {i: {} for i in ids}
+        done: set[str] = set()
+        while len(done) < len(ids):
             for event in self.step():
                 if event.result is not None and event.request_id in wanted:
-                    results[event.request_id] = event.result
+                    results[event.request_id][event.sample_index] = event.result
+                    if event.request_finished:
+                        done.add(event.request_id)
         for i in ids:
             self.release(i)
-        return [results[i] for i in ids]
+        n = sampling_fields.get("n", 1)
+        if n == 1:
+            return [results[i][0] for i in ids]
+        return [[results[i][s] for s in range(n)] for i in ids]
 
     def _withdraw(self, request_ids: list[str]) -> None:
         """Forget requests that were submitted but not yet stepped, as if never submitted."""
         for request_id in request_ids:
-            self._finish(self._requests.pop(request_id), FinishReason.CANCELLED)
+            for sample in samples.members(self._requests.pop(request_id)):
+                self._finish(sample, FinishReason.CANCELLED)
 
     def close(self) -> None:
         """Cancel what is active and drop the KV tensors; events not yet handed out are dropped."""
         if self._closed:
             return
         for request in list(self._requests.values()):
-            if not request.finished:
-                self._finish(request, FinishReason.CANCELLED)
+            for sample in samples.members(request):
+                if not sample.finished:
+                    self._finish(sample, FinishReason.CANCELLED)
         self._pending.clear()
         self._closed = True
         self.decode_graphs = None  # graphs hold the KV tensors' addresses

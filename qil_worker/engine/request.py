@@ -14,12 +14,14 @@ from qil_worker.text.output import TextOutput
 
 if TYPE_CHECKING:
     from qil_worker.structured.matcher import ConstraintMatcher
+    from qil_worker.engine.samples import SampleGroup
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages (new, or preempted to recompute later)
     RUNNING = "running"  # admitted, holds pages for its computed tokens
     FINISHED = "finished"  # ended for good; holds no pages
+    UNFORKED = "unforked"  # a later sample of an n-request, in no queue until sample 0 forks it
 
 
 @dataclass(eq=False)
@@ -52,6 +54,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # collected while the prompt is computed, if asked
+    sample_index: int = 0  # which of the request's samples this is (``engine.samples``)
+    group: "SampleGroup | None" = None  # the request's samples when it has several
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +86,7 @@ class Request:
             output_text=self.text.text if self.text is not None else None,
             stop_reason=self.stop_reason,
             **self._prompt_logprobs(),
+            sample_index=self.sample_index,
         )
 
     def _prompt_logprobs(self) -> dict[str, object]:

@@ -237,7 +237,7 @@ class Front:
             # refused here as the engine would: millions of ids cost the worker seconds to receive
             too_long = CapacityError.positions(len(tokens), max_new_tokens, max_positions)
             raise from_worker_rejection(*classify_engine_error(too_long))
-        req, acked = self.requests.add(rid, len(tokens or ()))
+        req, acked = self.requests.add(rid, len(tokens or ()), int((options or {}).get("n") or 1))
         self.supervisor.send(
             P.Submit(rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(options or {}))
         )

@@ -82,8 +82,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     sub.written()
                 if sub.done:
                     return
-                await news.wait()
-                news.clear()
+                if not sub.has_more:
+                    await news.wait()
+                    news.clear()
         finally:
             sub.close()
             if not sub.done:

@@ -343,7 +343,7 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
         if ev.result is not None:
             if ev.error:
                 log.warning("request failed: %s", ev.error, extra={"request_id": ev.request_id})
-            finals[ev.request_id] = final_record(ev.result)
+            finals[(ev.request_id, ev.sample_index) if ev.sample_index else ev.request_id] = final_record(ev.result)
         elif ev.index == 0 and ev.token_id is not None and engine is not None:
             cached[ev.request_id] = int(engine.result(ev.request_id).num_cached_tokens)
     return P.StepBatch(
@@ -361,6 +361,7 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
             ev.request_id: P.PromptLogprobs(ev.prompt_logprobs, ev.prompt_top_logprobs)
             for ev in events if ev.prompt_logprobs is not None
         },
+        samples=[ev.sample_index for ev in events] if any(ev.sample_index for ev in events) else None,
     )
 
 
