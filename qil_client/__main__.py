@@ -2,8 +2,9 @@
 
 Commands: generate (streams the text as it is produced, or the token ids when the server has no
 tokenizer, then prints the metrics), submit, cancel, events, info, health, and tokenize /
-detokenize (a prompt's ids as a submit of it would get them, and ids back to text). The sampling flags
-have the names of ``python -m qil_worker generate``'s; unset flags leave the server's defaults.
+detokenize (a prompt's ids as a submit of it would get them, and ids back to text). The sampling
+and structured-output flags have the names of ``python -m qil_worker generate``'s; unset flags
+leave the server's defaults.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 
-from qil_client import Client, QilError, TLS, options
+from qil_client import Client, QilError, TLS, constraints, options
 from qil_client.cli_help import DefaultsHelpFormatter
 from qil_client.json_output import message_to_dict
 from qil_client.results import ResultBuilder, submit_request
@@ -85,6 +86,7 @@ def request_kwargs(args: argparse.Namespace) -> dict:
         kw["stop_strings"] = args.stop
     if args.logit_bias:
         kw["logit_bias"] = dict(args.logit_bias)
+    kw.update(constraints.from_args(args))
     kw.update(max_new_tokens=args.max_new_tokens, stop_token_ids=args.stop_token_ids,
               request_id=args.request_id)
     return kw
@@ -130,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
                        default=None, help="show special tokens in the text")
         q.add_argument("--request-id", default="", help="client-chosen id (default: the server makes one)")
+        constraints.add_flags(q)
     g.add_argument("--json", action="store_true", help="print one JSON object per event")
     g.add_argument("--ids", action="store_true", help="print token ids even when text comes")
     c = sub.add_parser("cancel", help="cancel requests", formatter_class=fmt)
@@ -171,30 +174,45 @@ def _error_line(err: QilError) -> str:
 
 
 def _print_events(events, as_json: bool, ids: bool = False, from_seq: int = 0) -> int:
+    """Stream the output (of sample 0, with several samples: the others are printed at the
+    end), then one summary line per sample; ``--json``: every event as it comes."""
     builder = ResultBuilder(start_seq=from_seq)
     for ev in events:
         builder.add(ev)
         if as_json:
             print(json.dumps(message_to_dict(ev)), flush=True)
+        elif ev.sample_index:
+            continue
         elif ev.HasField("text") and not ids:
             print(ev.text, end="", flush=True)
         elif ev.token_ids:
             print(" ".join(str(t) for t in ev.token_ids), end=" ", flush=True)
-    r = builder.result()
+    result = builder.result()
+    samples = result.samples or [result]
     if not as_json:
         print(flush=True)
-        m = r.metrics
-        print(
-            f"request {r.request_id}: {r.num_output_tokens} tokens, finish={r.finish_reason}"
-            + (f" stop={r.stop_reason!r}" if r.stop_reason is not None else "")
-            + (f" error={r.error!r}" if r.error else "")
-            + f" | prompt {r.num_prompt_tokens} tokens ({r.num_cached_tokens} cached)"
-            + f" | queue {m.queue_time_s * 1e3:.1f} ms, ttft {m.ttft_s * 1e3:.1f} ms,"
-            f" itl mean {m.mean_itl_s * 1e3:.2f} ms max {m.max_itl_s * 1e3:.2f} ms,"
-            f" e2e {m.e2e_s * 1e3:.1f} ms, preemptions {m.num_preemptions}",
-            flush=True,
-        )
-    return 0 if r.finish_reason in ("stop", "length") else 1
+        for r in samples:
+            if r.sample_index:
+                print(f"--- sample {r.sample_index} ---")
+                shown = r.text if r.text is not None and not ids else " ".join(str(t) for t in r.token_ids)
+                print(shown, flush=True)
+            _print_summary(r, len(samples) > 1)
+    return 0 if all(r.finish_reason in ("stop", "length") for r in samples) else 1
+
+
+def _print_summary(r, several: bool) -> None:
+    m = r.metrics
+    print(
+        f"request {r.request_id}" + (f" sample {r.sample_index}" if several else "")
+        + f": {r.num_output_tokens} tokens, finish={r.finish_reason}"
+        + (f" stop={r.stop_reason!r}" if r.stop_reason is not None else "")
+        + (f" error={r.error!r}" if r.error else "")
+        + f" | prompt {r.num_prompt_tokens} tokens ({r.num_cached_tokens} cached)"
+        + f" | queue {m.queue_time_s * 1e3:.1f} ms, ttft {m.ttft_s * 1e3:.1f} ms,"
+        f" itl mean {m.mean_itl_s * 1e3:.2f} ms max {m.max_itl_s * 1e3:.2f} ms,"
+        f" e2e {m.e2e_s * 1e3:.1f} ms, preemptions {m.num_preemptions}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

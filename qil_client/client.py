@@ -93,8 +93,10 @@ class Client:
     ``messages=`` and the keyword options of ``qil_client.results.submit_request``: sampling
     (``temperature``, ``top_p``, ``seed``, ... as listed in ``qil_client.options.SAMPLING``),
     ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs``, ``logit_bias`` ({token id: bias}),
-    ``stop_strings`` / ``include_stop_string``, ``skip_special_tokens`` and
-    ``enable_thinking``. None leaves an option to the server's default (greedy decoding).
+    ``stop_strings`` / ``include_stop_string``, ``skip_special_tokens``, ``enable_thinking``, and
+    one structured-output constraint (``json_schema=`` a str or dict, ``json_object=True``,
+    ``regex=``, ``grammar=``, ``choice=[...]``). None leaves an option to the server's default
+    (greedy decoding).
     """
 
     def __init__(self, target: str | Sequence[str], token: str | None = None,

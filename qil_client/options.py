@@ -54,6 +54,7 @@ SAMPLING = (
     RequestOption("seed", "reproducible sampling whatever else is in the batch (default: random)"),
     RequestOption("min_new_tokens", "no EOS or stop id before this many tokens"),
     RequestOption("ignore_eos", "the model's EOS ids do not stop the request"),
+    RequestOption("n", "samples of the prompt in one request (1 to 64; default 1)"),
 )
 # Log-probabilities returned (with each token; the prompt's with the first): the other scalar
 # fields of SamplingParams; flags of the client CLI only.

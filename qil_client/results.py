@@ -4,9 +4,10 @@ the one place that turns keyword arguments into a ``SubmitRequest``."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from qil_client import constraints
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client.options import NAMES as OPTION_NAMES
 
@@ -37,6 +38,9 @@ class Metrics:
 
 @dataclass(frozen=True)
 class Result:
+    """A request's outcome. With several samples (``n=``) it is sample 0's, and ``samples``
+    holds every sample's own Result in sample order (``samples[0]`` is this one's twin)."""
+
     request_id: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "cancelled", "error"
@@ -57,6 +61,8 @@ class Result:
     # the N most likely (id, logprob) at that position (None for N = 0).
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    sample_index: int = 0
+    samples: list["Result"] = field(default_factory=list)  # empty unless the request had n > 1
 
     @property
     def usage(self) -> "Usage":
@@ -101,16 +107,10 @@ def stop_reason_of(ev: pb.Event) -> int | str | None:
     return None if kind is None else getattr(ev, kind)
 
 
-class ResultBuilder:
-    """Accumulates the events of one request into a Result, checking they are gap-free.
+class _SampleParts:
+    """The events of one sample, accumulated."""
 
-    ``start_seq``: the first seq expected, for events replayed from a later ``from_seq``; the
-    Result then holds the tokens (text, logprobs) from there on.
-    """
-
-    def __init__(self, request_id: str = "", *, start_seq: int = 0) -> None:
-        self.request_id = request_id
-        self.start_seq = start_seq
+    def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.texts: list[str] | None = None
         self.logprobs: list[float] | None = None
@@ -120,10 +120,6 @@ class ResultBuilder:
         self.final: pb.Event | None = None
 
     def add(self, ev: pb.Event) -> None:
-        expected = self.start_seq + len(self.token_ids)
-        if ev.seq != expected:
-            raise RuntimeError(f"event gap for {ev.request_id}: seq {ev.seq}, expected {expected}")
-        self.request_id = ev.request_id
         if ev.HasField("text"):
             if self.texts is None:
                 self.texts = []
@@ -145,26 +141,23 @@ class ResultBuilder:
                 [(c.token_id, c.logprob) for c in top.candidates] for top in ev.prompt_top_logprobs
             ]
         self.token_ids.extend(ev.token_ids)
-        if ev.finished:
+        if ev.finished or ev.sample_finished:
             self.final = ev
 
-    @property
-    def text(self) -> str | None:
-        return None if self.texts is None else "".join(self.texts)
-
-    def result(self) -> Result:
+    def result(self, request_id: str, sample_index: int) -> Result:
         ev = self.final
         common = dict(
-            text=self.text,
+            text=None if self.texts is None else "".join(self.texts),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
             prompt_logprobs=self.prompt_logprobs,
             prompt_top_logprobs=self.prompt_top_logprobs,
+            sample_index=sample_index,
         )
         if ev is None:
-            return Result(self.request_id, list(self.token_ids), None, **common)
+            return Result(request_id, list(self.token_ids), None, **common)
         return Result(
-            request_id=self.request_id,
+            request_id=request_id,
             token_ids=list(self.token_ids),
             finish_reason=FINISH_REASONS.get(ev.finish_reason),
             error=ev.error or None,
@@ -175,6 +168,50 @@ class ResultBuilder:
             num_cached_tokens=ev.num_cached_tokens,
             **common,
         )
+
+
+class ResultBuilder:
+    """Accumulates the events of one request into a Result, checking they are gap-free.
+
+    ``start_seq``: the first seq expected, for events replayed from a later ``from_seq``; the
+    Result then holds the tokens (text, logprobs) from there on. Events of several samples
+    (``n=``) go to each sample's own Result; their seq counts the tokens of all samples.
+    """
+
+    def __init__(self, request_id: str = "", *, start_seq: int = 0) -> None:
+        self.request_id = request_id
+        self.start_seq = start_seq
+        self.num_tokens = 0  # of every sample
+        self.parts: dict[int, _SampleParts] = {}
+        self.final: pb.Event | None = None  # the request's last event
+
+    def add(self, ev: pb.Event) -> None:
+        expected = self.start_seq + self.num_tokens
+        if ev.seq != expected:
+            raise RuntimeError(f"event gap for {ev.request_id}: seq {ev.seq}, expected {expected}")
+        self.request_id = ev.request_id
+        self.parts.setdefault(ev.sample_index, _SampleParts()).add(ev)
+        self.num_tokens += len(ev.token_ids)
+        if ev.finished:
+            self.final = ev
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Sample 0's tokens so far."""
+        return self.parts[0].token_ids if 0 in self.parts else []
+
+    @property
+    def text(self) -> str | None:
+        """Sample 0's text so far (None without a tokenizer)."""
+        texts = self.parts[0].texts if 0 in self.parts else None
+        return None if texts is None else "".join(texts)
+
+    def result(self) -> Result:
+        count = max(self.parts, default=0) + 1
+        samples = [self.parts.get(i, _SampleParts()).result(self.request_id, i) for i in range(count)]
+        if count == 1:
+            return samples[0]
+        return replace(samples[0], samples=samples)
 
 
 def _messages(messages: Iterable[Any]) -> list[pb.ChatMessage]:
@@ -219,10 +256,16 @@ def submit_request(
     seed: int | None = None,
     min_new_tokens: int | None = None,
     ignore_eos: bool | None = None,
+    n: int | None = None,
     logprobs: bool | None = None,
     top_logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
+    json_object: bool | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
 ) -> pb.SubmitRequest:
     """The prompt is exactly one of ``token_ids``, ``text`` or chat ``messages`` (dicts with
     role and content, or (role, content) pairs); text and messages need a server with a
@@ -233,12 +276,17 @@ def submit_request(
     among them are the table ``qil_client.options.OPTIONS``, which a test keeps equal to this
     typed signature (the one editors and type checkers read).
 
+    Structured output: at most one of ``json_schema`` (a JSON Schema as text, or a dict sent as
+    compact JSON), ``json_object=True``, ``regex``, ``grammar`` (llguidance's Lark dialect) or
+    ``choice`` (a list of strings: the output is exactly one); see ``qil_client.constraints``.
+
     Values the wire cannot carry raise here (TypeError, ValueError); values out of range are
     the server's to reject (InvalidArgument naming the field).
     """
     arguments = locals()  # first, before any other local: the options by name
     if isinstance(stop_strings, str):
         raise TypeError("stop_strings must be a list of strings, not a string")
+    constraint = constraints.given(arguments)
     # proto3 sends "" as no text at all: the server would find no prompt and blame token_ids
     if text is not None and not text:
         raise ValueError("text: the prompt is empty")
@@ -269,6 +317,8 @@ def submit_request(
         if value is not None:
             with _naming(name):
                 setattr(req, name, value)
+    for name, value in constraint.items():
+        constraints.set_constraint(req, name, value)
     return req
 
 

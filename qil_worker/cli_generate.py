@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from qil_client import options
+from qil_client import constraints, options
 from qil_client.cli_help import DefaultsHelpFormatter
 from qil_worker.errors import QilError
 
@@ -66,6 +66,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="send --prompt as a user chat message")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     add_sampling_arguments(p)
+    constraints.add_flags(p)
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16, auto")
     p.add_argument("--num-pages", type=positive_int, default=512, help="KV cache pages")
@@ -94,7 +95,8 @@ def run_generate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         tokenizer_dir = args.tokenizer or args.model
         tokenizer = None
-        if args.prompt is not None or args.stop or args.tokenizer:
+        constraint = constraints.from_args(args)  # needs a tokenizer too
+        if args.prompt is not None or args.stop or args.tokenizer or constraint:
             tokenizer = load_tokenizer(tokenizer_dir)
         elif has_tokenizer_files(tokenizer_dir):
             tokenizer = load_tokenizer(tokenizer_dir)
@@ -110,21 +112,43 @@ def run_generate(args: argparse.Namespace) -> int:
         stops = parse_token_list(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None
         rid = engine.submit(
             **prompt, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
-            stop_strings=args.stop, **sampling_kwargs(args),
+            stop_strings=args.stop, **sampling_kwargs(args), **constraint,
         )
         while not engine.idle:
             for event in engine.step():
-                if args.json:
+                if args.json or event.sample_index:  # (more samples: printed after the first)
                     continue
                 if event.text is not None:
                     print(event.text, end="", flush=True)
                 elif event.token_id is not None:
                     print(event.token_id, end=" ", flush=True)
-        result = engine.result(rid)
+        results = engine.results(rid)
     except QilError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    metrics = {
+    # as the client CLI: every sample must end by stop or length
+    failed = 1 if any(r.finish_reason.value not in ("stop", "length") for r in results) else 0
+    if args.json:
+        out = _summary(results[0])
+        if len(results) > 1:
+            out["samples"] = [{"sample_index": i, **_summary(r)} for i, r in enumerate(results)]
+        print(json.dumps(out))
+        return failed
+    for i, result in enumerate(results):
+        if i:
+            print(f"\n--- sample {i} ---")
+            print(result.output_text if result.output_text is not None else "", end="")
+        _print_summary(result)
+    return failed
+
+
+def _summary(result) -> dict[str, object]:
+    """One engine ``Result`` as the JSON output's fields."""
+    return {"output_token_ids": result.output_token_ids, "text": result.output_text, **_metrics(result)}
+
+
+def _metrics(result) -> dict[str, object]:
+    return {
         "finish_reason": result.finish_reason.value,
         "stop_reason": result.stop_reason,
         "prompt_tokens": len(result.prompt_token_ids),
@@ -133,10 +157,10 @@ def run_generate(args: argparse.Namespace) -> int:
         "completion_time_s": result.completion_time,
         "mean_inter_token_latency_s": result.mean_inter_token_latency,
     }
-    failed = 1 if result.finish_reason.value not in ("stop", "length") else 0  # as the client CLI
-    if args.json:
-        print(json.dumps({"output_token_ids": result.output_token_ids, "text": result.output_text, **metrics}))
-        return failed
+
+
+def _print_summary(result) -> None:
+    metrics = _metrics(result)
     itl = metrics["mean_inter_token_latency_s"]
     print()
     print(f"tokens: {result.output_token_ids}")
@@ -146,4 +170,3 @@ def run_generate(args: argparse.Namespace) -> int:
         + (f"  ITL {itl * 1000:.1f}ms" if itl is not None else "")
         + (f"  error: {result.error}" if result.error else "")
     )
-    return failed

@@ -69,3 +69,16 @@ class TokenizerUnavailableError(QilError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class FeatureUnavailableError(QilError):
+    """A request needs something this worker lacks: an optional extra that is not installed, or a
+    tokenizer the engine was started without (FAILED_PRECONDITION over gRPC).
+
+    ``field`` names the part of the request that needed it (e.g. ``json_schema``); the message
+    says what is missing and how to get it.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field

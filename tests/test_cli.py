@@ -186,6 +186,65 @@ def test_tokenizer_flag_is_used(capsys, text_dir, tmp_path):
     assert out["output_tokens"] == 2
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_flags_constrain_the_output_as_the_engine_does(capsys, text_dir, text_engine, tmp_path):
+    import re
+
+    import jsonschema
+
+    tok, engine = text_engine
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    grammar_file = tmp_path / "g.lark"
+    grammar_file.write_text('start: "yes" | "no" | "maybe"')
+    common = ["--model", str(text_dir), "--prompt", "hello", "--json", "--max-new-tokens", "40",
+              "--temperature", "1", "--seed", "3"]
+    cases = [
+        (["--choice", "yes", "--choice", "no"], dict(choice=["yes", "no"])),
+        (["--json-schema", str(schema_file)], dict(json_schema=json.dumps(SCHEMA))),
+        (["--json-schema", json.dumps(SCHEMA)], dict(json_schema=json.dumps(SCHEMA))),
+        (["--regex", "[a-c]{3}[0-9]"], dict(regex="[a-c]{3}[0-9]")),
+        (["--grammar", str(grammar_file)], dict(grammar='start: "yes" | "no" | "maybe"')),
+        (["--json-object"], dict(json_object=True)),
+    ]
+    texts = []
+    for flags, kw in cases:
+        out = json.loads(gen(capsys, *common, *flags))
+        want = run_ref(engine, text="hello", max_new_tokens=40, temperature=1.0, seed=3, **kw)
+        assert out["output_token_ids"] == want.output_token_ids and out["text"] == want.output_text, flags
+        assert out["text"].startswith("{") if "json_object" in kw else out["finish_reason"] == "stop"
+        texts.append(out["text"])
+    choice, schema_from_file, inline_schema, regex, grammar, json_object = texts
+    assert choice in ("yes", "no") and grammar in ("yes", "no", "maybe")
+    jsonschema.validate(json.loads(schema_from_file), SCHEMA)
+    assert inline_schema == schema_from_file and re.fullmatch("[a-c]{3}[0-9]", regex)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--regex", "a", "--choice", "b"], "not allowed with argument"),
+    (["--json-schema", "{not json"], "argument --json-schema: expected a JSON schema file or inline JSON"),
+    (["--grammar", "/no/such/file.lark"], "argument --grammar: cannot read the grammar file"),
+])
+def test_structured_output_flags_refuse_what_cannot_be_sent(capsys, flags, says):
+    with pytest.raises(SystemExit) as exc:
+        worker_main(["generate", "--prompt", "hi", *flags])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_constraint_that_does_not_compile_is_a_clear_error(capsys, text_dir):
+    argv = ["generate", "--model", str(text_dir), "--prompt", "hello", "--regex", "([a-z"]
+    assert worker_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: regex: ") and "unclosed character class" in err
+
+
 def test_generate_exits_1_when_the_request_fails(capsys, text_dir, monkeypatch):
     def broken_push(self, token_id):
         raise RuntimeError("injected detokenizer fault")

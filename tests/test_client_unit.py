@@ -394,3 +394,64 @@ def test_port_65535_is_a_valid_target_port():
 def test_an_error_without_a_field_has_field_none():
     from qil_client.errors import error_for
     assert error_for(14, "worker is restarting", "").field is None
+
+
+def test_submit_request_carries_one_constraint_in_the_oneof():
+    from qil_client.results import submit_request
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    req = submit_request([1], json_schema=schema)
+    assert req.WhichOneof("constraint") == "json_schema"
+    assert req.json_schema == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+    assert submit_request([1], json_schema='{"type": "object"}').json_schema == '{"type": "object"}'
+    assert submit_request([1], json_object=True).json_object is True
+    assert submit_request([1], json_object=False).WhichOneof("constraint") is None  # False asks for none
+    assert submit_request([1], regex="[0-9]+").regex == "[0-9]+"
+    assert submit_request([1], grammar='start: "a"').grammar == 'start: "a"'
+    assert list(submit_request([1], choice=("a", "b")).choice.choices) == ["a", "b"]
+    empty = submit_request([1], choice=[])  # sent: the server names the empty list
+    assert empty.WhichOneof("constraint") == "choice" and not empty.choice.choices
+    assert submit_request([1]).WhichOneof("constraint") is None
+
+
+@pytest.mark.parametrize("kwargs, error, field", [
+    (dict(regex="a", choice=["a"]), ValueError, "choice"),
+    (dict(json_schema={}, json_object=True), ValueError, "json_object"),
+    (dict(json_schema=5), TypeError, "json_schema"),
+    (dict(json_schema={"a": object()}), TypeError, "json_schema"),
+    (dict(json_schema={"a": float("nan")}), TypeError, "json_schema"),
+    (dict(json_object="yes"), TypeError, "json_object"),
+    (dict(regex=3), TypeError, "regex"),
+    (dict(grammar=b"start"), TypeError, "grammar"),
+    (dict(choice="abc"), TypeError, "choice"),
+    (dict(choice=[1, 2]), TypeError, "choice"),
+    (dict(choice=7), TypeError, "choice"),
+])
+def test_a_constraint_the_wire_cannot_carry_names_its_field(kwargs, error, field):
+    from qil_client.results import submit_request
+
+    with pytest.raises(error, match=f"^{field}: "):
+        submit_request([1], **kwargs)
+
+
+def test_client_cli_sends_the_structured_output_flags(fake, tmp_path, capsys):
+    fake.events = [final(0, pb.FINISH_REASON_STOP)]
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "a"')
+    for flags, want in [
+        (["--choice", "a", "--choice", "b"], {"choice": ["a", "b"]}),
+        (["--json-schema", str(schema)], {"json_schema": '{"type": "object"}'}),
+        (["--json-schema", '{"enum": [1]}'], {"json_schema": '{"enum": [1]}'}),
+        (["--json-object"], {"json_object": True}),
+        (["--regex", "[0-9]"], {"regex": "[0-9]"}),
+        (["--grammar", str(grammar)], {"grammar": 'start: "a"'}),
+        ([], {}),
+    ]:
+        assert client_cli.main(["generate", "--prompt", "x", *flags]) == 0
+        kw = FakeClient.last.calls[-1][1]
+        assert {k: kw[k] for k in ("json_schema", "json_object", "regex", "grammar", "choice") if k in kw} == want
+    with pytest.raises(SystemExit) as exc:
+        client_cli._parser().parse_args(["submit", "--prompt", "x", "--regex", "a", "--json-object"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

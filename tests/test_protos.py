@@ -77,7 +77,7 @@ def _modules_after_import(code: str) -> set[str]:
 def test_client_does_not_import_torch():
     mods = _modules_after_import("import qil_client, qil_client.aio, qil_client.__main__")
     assert "qil_client" in mods
-    assert "torch" not in mods
+    assert "torch" not in mods and "llguidance" not in mods
     assert not any(m == "qil_worker" or m.startswith("qil_worker.") for m in mods)
 
 
@@ -89,6 +89,8 @@ def test_front_does_not_import_torch():
     assert "qil_worker.service.server" in mods
     assert "torch" not in mods, "the front (and qil_worker/__init__) must not import torch"
     assert "transformers" not in mods and "tokenizers" not in mods, "the tokenizer lives in the worker"
+    assert "llguidance" not in mods, "grammars are compiled in the worker"
+    assert "qil_worker.structured.spec" in mods  # the front checks constraints by the worker's rules
     assert "aiohttp" not in mods and "qil_worker.service.http" not in mods, (
         "the HTTP stack is imported only with --http-port"
     )
@@ -103,6 +105,7 @@ def test_http_front_does_not_import_torch():
     assert "aiohttp" in mods and "qil_worker.service.http.site" in mods
     assert "torch" not in mods
     assert "transformers" not in mods and "tokenizers" not in mods
+    assert "llguidance" not in mods
 
 
 def test_numpy_is_a_dependency():

@@ -10,6 +10,7 @@ from dataclasses import fields
 from qil_client import pb
 from qil_client.__main__ import _parser as client_parser
 from qil_client.__main__ import request_kwargs
+from qil_client.constraints import NAMES as CONSTRAINT_NAMES
 from qil_client.options import LOGPROBS, NAMES, OPTIONS, SAMPLING, TEXT
 from qil_client.results import submit_request
 from qil_worker.cli_generate import add_generate_parser, sampling_kwargs
@@ -30,8 +31,11 @@ def test_the_table_is_the_optional_scalar_fields_of_submit_request():
     proto = {f.name for f in pb.SubmitRequest.DESCRIPTOR.fields if f.has_presence and f.message_type is None}
     assert len(NAMES) == len(set(NAMES))
     # max_new_tokens is optional on the wire too, but every command line and API gives it a
-    # place (and a default) of its own.
-    assert set(NAMES) == proto - {"max_new_tokens"}
+    # place (and a default) of its own; so do the members of the constraint oneof (at most one
+    # of them, qil_client.constraints), which are not options of their own either.
+    constraint = {f.name for f in pb.SubmitRequest.DESCRIPTOR.oneofs_by_name["constraint"].fields}
+    assert constraint == set(CONSTRAINT_NAMES) and not constraint & set(NAMES)
+    assert set(NAMES) == proto - {"max_new_tokens"} - constraint
 
 
 # SamplingParams fields that are not optional scalars on the wire (a map), handled by name
@@ -54,8 +58,9 @@ def test_submit_request_takes_each_option_as_a_keyword_argument():
         name for name, p in inspect.signature(submit_request).parameters.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     }
-    assert keyword_only - {"text", "messages", "stop_strings"} - NON_SCALAR == set(NAMES)
+    assert keyword_only - {"text", "messages", "stop_strings", *CONSTRAINT_NAMES} - NON_SCALAR == set(NAMES)
     assert NON_SCALAR <= keyword_only
+    assert set(CONSTRAINT_NAMES) <= keyword_only
     req = submit_request([1], **{o.name: VALUES[o.type] for o in OPTIONS})
     assert all(req.HasField(name) for name in NAMES)
 

@@ -191,3 +191,11 @@ def test_serve_flags_reach_the_config(monkeypatch):
 def test_tls_cert_without_key_is_refused(capsys):
     assert run_serve(_parse(["--tls-cert", "cert.pem", "--port", "0"])) == 2
     assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+
+
+def test_structured_warmup_flag_reaches_the_worker_config():
+    from qil_worker.service.front import _worker_config
+
+    assert config_from_args(_parse([])).front.structured_warmup is True
+    cfg = config_from_args(_parse(["--no-structured-warmup"]))
+    assert cfg.front.structured_warmup is False and _worker_config(cfg.front)["structured_warmup"] is False

@@ -151,8 +151,8 @@ def test_step_batches_carry_them_sparsely_through_a_pickle():
     stats = P.PoolStats(8, 1, 7, 1, 0, 0, 0.0)
     scored = P.PromptLogprobs([-1.0, -0.5], None)
     batch = P.StepBatch([], ["a", "b"], [3, 4], [None, None], [None, None], [None, None], {}, stats, None,
-                        {"b": scored})
+                        {}, {"b": scored})
     back = pickle.loads(pickle.dumps(batch))
     assert back.prompt_logprobs == {"b": scored} and back.token_ids == [3, 4]
-    empty = P.StepBatch([], ["a"], [3], [None], [None], [None], {}, stats, None, {})
+    empty = P.StepBatch([], ["a"], [3], [None], [None], [None], {}, stats, None, {}, {})
     assert pickle.loads(pickle.dumps(empty)).prompt_logprobs == {}

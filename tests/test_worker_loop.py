@@ -180,3 +180,62 @@ def test_every_step_sends_one_batch_with_the_pool_numbers_after_it(model, monkey
     assert final.metrics.ttft_s is not None and final.metrics.e2e_s >= final.metrics.ttft_s
     assert batches[-1].stats.pages_used == 0 and batches[-1].stats.num_running == 0
     _stop(front, loop)
+
+
+def test_a_constraint_is_compiled_beside_the_step_loop(tmp_path, monkeypatch):
+    """A constraint whose compile takes long does not stall the loop: a free request and one
+    whose constraint was compiled lately run to their end meanwhile; a cancel that comes first
+    ends it once compiled; a long text prompt is encoded first, then its constraint compiled;
+    the warm-up builds the library's tables before any constrained request."""
+    from checkpoints import make_text_checkpoint
+    from qil_worker import Qwen3
+    from qil_worker.service import prompt_encoder
+    from qil_worker.text import load_tokenizer
+    from service_fixtures import wait_until
+
+    monkeypatch.setattr(prompt_encoder, "INLINE_CHARS", 5)  # "hello there" counts as long
+    model_dir = make_text_checkpoint(tmp_path / "text")
+    engine = Engine(Qwen3.from_directory(model_dir), num_pages=64, page_size=4, tokenizer=load_tokenizer(model_dir))
+    release, compiling = threading.Event(), []
+    compile_constraint = engine.compile_constraint
+
+    def slow_compile(spec):  # the one compile this test holds up: a schema that takes long
+        if spec.kind == "json_schema":
+            compiling.append(spec)
+            assert release.wait(30)
+        return compile_constraint(spec)
+
+    monkeypatch.setattr(engine, "compile_constraint", slow_compile)
+    front, back = multiprocessing.Pipe()
+    loop = threading.Thread(target=worker._serve, args=(back, engine, os.getppid(), True), daemon=True)
+    loop.start()
+    wait_until(lambda: engine.grammars.warmed)  # the warm-up, before any constrained request
+    seen: list = []
+    front.send(P.Submit("choice", [1, 2], 8, [], {"choice": ["yes", "no"]}))
+    _until_final(front, "choice", seen)
+    front.send(P.Submit("slow", [1, 2], 4, [], {"json_schema": '{"type":"object"}'}))
+    front.send(P.Submit("fast", [1, 2, 3], 4, [], {"ignore_eos": True}))
+    front.send(P.Submit("again", None, 8, [], {"text": "hello there", "choice": ["yes", "no"]}))
+    for rid in ("fast", "again"):  # in either order
+        if not any(kind == "event" and r == rid and reason for kind, r, reason in seen):
+            _until_final(front, rid, seen)
+    assert compiling and not any(rid == "slow" for _, rid, _ in seen)  # still compiling
+    assert ("ack", "again", None) in seen  # encoded, then compiled lately: looked up in the loop
+    front.send(P.Cancel("slow"))
+    release.set()
+    _until_final(front, "slow", seen)
+    assert ("ack", "slow", None) in seen  # submitted once compiled ...
+    assert ("event", "slow", P.FinishReason.CANCELLED) in seen  # ... and cancelled at once
+    front.send(P.Submit("bad", None, 4, [], {"text": "hello there", "regex": "([a-z"}))
+    while True:  # a compile error is the submit's answer
+        assert front.poll(30)
+        acks = front.recv().acks
+        if acks:
+            break
+    (ack,) = acks
+    assert ack.request_id == "bad" and ack.rejection.field == "regex"
+    assert ack.rejection.kind is P.RejectKind.INVALID and "unclosed character class" in ack.rejection.message
+    front.send(P.Stop())
+    loop.join(10)
+    assert not loop.is_alive()
+    assert engine.stats().num_pages_used == 0

@@ -6,10 +6,11 @@ import collections
 import itertools
 import secrets
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,7 @@ from qil_worker.attention.backend import AttentionBackend
 from qil_worker.attention.choice import choose_backend
 from qil_worker.engine import prompt_logprobs
 from qil_worker.engine.batch import build_step_batch
+from qil_worker.engine import samples
 from qil_worker.engine.decode_graphs import DecodeGraphs
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
 from qil_worker.engine.request import Request
@@ -27,14 +29,20 @@ from qil_worker.engine.validation import validate_submit
 from qil_worker.errors import (
     DeviceFailedError,
     DuplicateRequestError,
+    FeatureUnavailableError,
     InvalidRequestError,
     TokenizerUnavailableError,
     UnknownRequestError,
 )
 from qil_worker.kv import KVCache, PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.model import Qwen3
+from qil_worker.structured.matcher import CompiledConstraint
+from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.text.output import TextOutput
 from qil_worker.text.prompt import encode_prompt
+
+if TYPE_CHECKING:
+    from qil_worker.structured.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +87,8 @@ class EngineStats:
 class Engine:
     """Continuous batching over a paged KV cache: each ``step()`` is one model forward.
 
-    Not thread-safe: one owner calls ``submit``/``cancel``/``step`` (the worker process loop).
+    Not thread-safe: one owner calls ``submit``/``cancel``/``step`` (the worker process loop);
+    only ``grammars`` and ``compile_constraint`` may be used from other threads meanwhile.
 
     A request's final event carries its ``Result``, and the engine forgets finished requests by
     itself: ``result()`` knows the ``retained_results`` most recent ones (0: none, as a server
@@ -162,11 +171,14 @@ class Engine:
         if not isinstance(retained_results, int) or retained_results < 0:
             raise ValueError(f"retained_results must be a non-negative integer, got {retained_results!r}")
         self._retained_results = retained_results
-        self._results: collections.OrderedDict[str, Result] = collections.OrderedDict()
+        # per request, the result of each sample (one unless it asked for n > 1)
+        self._results: collections.OrderedDict[str, list[Result]] = collections.OrderedDict()
         self._ids = itertools.count()
         self._closed = False
         # Why the device can no longer be used (``device_unusable``); the engine then refuses work.
         self.device_failure: str | None = None
+        self._grammars: GrammarCompiler | None = None  # built on first use (structured output)
+        self._grammars_lock = threading.Lock()
 
     @staticmethod
     def scratch_pages(model: Qwen3, cuda_graphs: bool | None = None, debug: bool = False) -> int:
@@ -193,6 +205,12 @@ class Engine:
         stop_strings: Sequence[str] | None = None,
         include_stop_string: bool = False,
         skip_special_tokens: bool = True,
+        json_schema: str | dict | None = None,
+        json_object: bool | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        choice: Sequence[str] | None = None,
+        constraint: CompiledConstraint | None = None,
         **sampling_fields: object,
     ) -> str:
         """Queue a request and return its id; invalid or impossible requests raise at once.
@@ -201,6 +219,17 @@ class Engine:
         tokenizer. Sampling is given as ``sampling=SamplingParams(...)`` or as its fields, e.g.
         ``temperature=0.7, top_p=0.9, seed=1``; the default is greedy. With a tokenizer, events
         carry text deltas and ``stop_strings`` end the request when the text contains one.
+
+        Structured output (needs the tokenizer and the ``structured`` extra): at most one of
+        ``json_schema`` (a JSON Schema, str or dict), ``json_object=True`` (any JSON object),
+        ``regex``, ``grammar`` (llguidance's Lark dialect) or ``choice`` (a list of strings:
+        the output is exactly one) is compiled here (cached), or ``constraint`` is one already
+        compiled by ``compile_constraint``. The output then matches it; the request ends with
+        STOP as soon as the structure is complete (``stop_reason`` None unless an EOS or stop id
+        ended it), and a request cut by ``max_new_tokens`` or a stop string holds a prefix.
+
+        ``n`` (a sampling field): that many samples of the prompt, computed once; each event
+        and result then carries its ``sample_index`` (see ``qil_worker.engine.samples``).
         """
         self._check_open()
         if text is not None or messages is not None:
@@ -225,6 +254,12 @@ class Engine:
             raise TypeError("pass either sampling= or sampling fields, not both")
         sampling.validate(max_new_tokens, vocab_size=self.model.config.vocab_size)
         scored_prompt = prompt_logprobs.PromptLogprobs.asked(sampling.prompt_logprobs, len(prompt))
+        spec = ConstraintSpec.from_kwargs(json_schema, json_object, regex, grammar, choice)
+        if spec is not None and constraint is not None:
+            raise InvalidRequestError(spec.kind, "give a constraint or a compiled constraint=, not both")
+        if constraint is not None and not isinstance(constraint, CompiledConstraint):
+            raise TypeError(f"constraint must be a CompiledConstraint, got {type(constraint).__name__}")
+        samples.check_fits(sampling.n, len(prompt), max_new_tokens, self.scheduler, self.page_size)
         if request_id in self._requests:
             # active, or cancelled with its final event not yet handed out: reusing the id now
             # would interleave two requests' events under one id
@@ -233,6 +268,10 @@ class Engine:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests or request_id in self._results:
                 request_id = f"req-{next(self._ids)}"
+        if spec is not None:
+            constraint = self.compile_constraint(spec)
+        if constraint is not None and constraint.vocab_size != self.model.config.vocab_size:
+            raise ValueError("the constraint was compiled for another model's vocabulary")
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -247,20 +286,61 @@ class Engine:
             if self.tokenizer is None
             else TextOutput(self.tokenizer, stop_strings or (), include_stop_string, skip_special_tokens),
             prompt_logprobs=scored_prompt,
+            grammar=constraint.new_matcher() if constraint is not None else None,
         )
+        if sampling.n > 1:
+
+            def fresh(sample: Request) -> None:
+                sample.text = None if self.tokenizer is None else TextOutput(
+                    self.tokenizer, stop_strings or (), include_stop_string, skip_special_tokens
+                )
+                sample.grammar = constraint.new_matcher() if constraint is not None else None
+
+            samples.make_samples(request, sampling.n, fresh)
         self._results.pop(request_id, None)  # a finished request of the same id is forgotten
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
 
+    @property
+    def grammars(self) -> "GrammarCompiler":
+        """The engine's grammar compiler (thread-safe; created on first use). Raises
+        ``FeatureUnavailableError`` without llguidance or without a tokenizer. Its ``warm()``
+        builds llguidance's tokenizer info ahead of the first constrained request."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise FeatureUnavailableError(
+                        "structured output needs the model's tokenizer; this engine has none "
+                        "(serve a model directory with its tokenizer files and the text extra)"
+                    )
+                from qil_worker.structured.compiler import GrammarCompiler
+
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model.config.vocab_size, sorted(self._eos_ids)
+                )
+            return self._grammars
+
+    def compile_constraint(self, spec: ConstraintSpec) -> CompiledConstraint:
+        """Compile (or find cached) a request's constraint, for ``submit(constraint=...)``;
+        thread-safe, so a worker compiles beside its step loop. Errors name ``spec.kind``:
+        ``InvalidRequestError`` for a constraint that does not compile (the library's message),
+        ``FeatureUnavailableError`` for what is missing."""
+        try:
+            return self.grammars.compile(spec)
+        except FeatureUnavailableError as exc:
+            if exc.field is None:
+                exc.field = spec.kind
+            raise
+
     def cancel(self, request_id: str) -> bool:
-        """End a request now and free its pages; True if it was still active."""
+        """End a request (all its samples) now and free its pages; True if it was still active."""
         request = self._requests.get(request_id)
-        if request is None or request.finished:
-            return False
-        self._finish(request, FinishReason.CANCELLED)
-        self._pending.append(self._final_event(request, handed_out_now=False))
-        return True
+        live = [] if request is None else [m for m in samples.members(request) if not m.finished]
+        for sample in live:
+            self._finish(sample, FinishReason.CANCELLED)
+            self._pending.append(samples.tagged(self._final_event(sample, handed_out_now=False), sample))
+        return bool(live)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -269,7 +349,7 @@ class Engine:
         self._check_open()
         events, self._pending = self._pending, []
         for event in events:  # the cancelled requests' ids are free again
-            del self._requests[event.request_id]
+            self._requests.pop(event.request_id, None)
         chunks = self.scheduler.schedule()
         if not chunks:
             return events
@@ -293,29 +373,36 @@ class Engine:
                 if batch.prompt_rows:  # the rows after the sampled ones score prompt tokens
                     prompt_logprobs.score(logits[len(sampled_chunks):], batch.prompt_rows)
                     logits = logits[: len(sampled_chunks)]
-            sampled = self.sampler.sample(logits, [c.request for c in sampled_chunks])
+            sampled_requests = [c.request for c in sampled_chunks]
+            forks = samples.forking(sampled_requests)  # n-requests whose prompt is computed now
+            logits, sampled_requests = samples.with_fork_rows(logits, sampled_requests, forks)
+            sampled = self.sampler.sample(logits, sampled_requests)
         except Exception as exc:  # the whole forward failed: fail its requests, keep serving
             log.exception("step failed for %d request(s)", len(chunks))
             message = f"step failed: {type(exc).__name__}: {exc}"
             failed = [chunk.request for chunk in chunks]
+            failed += [s for r in failed for s in samples.unforked(r)]  # their prompt failed too
             if device_unusable(exc):  # no later step can succeed: end everything, refuse work
                 self.device_failure = message
-                in_step = {r.request_id for r in failed}
+                in_step = set(failed)
                 failed += [
-                    r for r in self._requests.values() if not r.finished and r.request_id not in in_step
+                    m for r in self._requests.values() for m in samples.members(r)
+                    if not m.finished and m not in in_step
                 ]
             for request in failed:
-                events.append(self._fail(request, message))
+                events.append(samples.tagged(self._fail(request, message), request))
             return events
         self.scheduler.commit(computed)
+        for row, group in forks:  # before any token is accepted: a sample that ends holds the pages
+            samples.fork(sampled_requests[row], group, self.scheduler, self.pool, self.kv)
         now = time.perf_counter()
-        for i, chunk in enumerate(sampled_chunks):
+        for i, request in enumerate(sampled_requests):
             event = self._accept_token(
-                chunk.request, sampled.tokens[i], now, sampled.logprobs[i], sampled.top_logprobs[i]
+                request, sampled.tokens[i], now, sampled.logprobs[i], sampled.top_logprobs[i]
             )
-            if chunk.request.prompt_logprobs is not None:
-                event = chunk.request.prompt_logprobs.attach(event)
-            events.append(event)
+            if request.prompt_logprobs is not None:
+                event = request.prompt_logprobs.attach(event)
+            events.append(samples.tagged(event, request))
         return events
 
     def _accept_token(
@@ -327,6 +414,10 @@ class Engine:
         top_logprobs: list[tuple[int, float]] | None,
     ) -> Event:
         try:
+            if request.grammar is not None:
+                refused = request.grammar.advance(token)
+                if refused is not None:  # a lexer limit, or a token the mask should have forbidden
+                    return self._fail(request, f"constraint: {refused}")
             request.output_token_ids.append(token)
             request.metrics.record_token(now)
             text = request.text.push(token) if request.text is not None else None
@@ -335,6 +426,8 @@ class Engine:
                 reason, request.stop_reason = FinishReason.STOP, token
             elif request.text is not None and request.text.matched_stop is not None:
                 reason, request.stop_reason = FinishReason.STOP, request.text.matched_stop
+            elif request.grammar is not None and request.grammar.stopped:
+                reason = FinishReason.STOP  # the structure is complete; nothing may follow
             elif len(request.output_token_ids) >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
             index = len(request.output_token_ids) - 1
@@ -377,12 +470,15 @@ class Engine:
 
     def _retire(self, request: Request, keep_id: bool = False) -> Result:
         """A finished request's result, kept among the newest ``retained_results``; the request
-        itself is forgotten (``keep_id``: once its final event is handed out)."""
+        itself is forgotten (``keep_id``: once its final event is handed out). A request of
+        several samples is forgotten, and its results kept, with its last sample."""
         result = request.result()
+        if request.group is not None and request.group.running_after(request):
+            return result
         if not keep_id:
             self._requests.pop(request.request_id, None)
         if self._retained_results:
-            self._results[request.request_id] = result
+            self._results[request.request_id] = [m.result() for m in samples.members(request)]
             while len(self._results) > self._retained_results:
                 self._results.popitem(last=False)
         return result
@@ -396,12 +492,17 @@ class Engine:
 
     def result(self, request_id: str) -> Result:
         """The request as it stands: an active one, or a finished one still retained (the
-        ``retained_results`` most recent, unless released)."""
+        ``retained_results`` most recent, unless released). Of a request with several samples:
+        sample 0 (``results`` has them all)."""
+        return self.results(request_id)[0]
+
+    def results(self, request_id: str) -> list[Result]:
+        """``result`` of every sample of the request, in sample order (one unless ``n > 1``)."""
         request = self._requests.get(request_id)
         if request is not None:
-            return request.result()
+            return [m.result() for m in samples.members(request)]
         try:
-            return self._results[request_id]
+            return list(self._results[request_id])
         except KeyError:
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
 
@@ -413,7 +514,7 @@ class Engine:
         """Forget a finished request's result now (one the engine already let go of, or never
         knew, is nothing to forget)."""
         request = self._requests.get(request_id)
-        if request is not None and not request.finished:
+        if request is not None and not all(m.finished for m in samples.members(request)):
             raise ValueError(f"request {request_id!r} is still active; cancel it first")
         self._results.pop(request_id, None)
 
@@ -439,40 +540,64 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int = 16,
         stop_token_ids: Sequence[int] | None = None,
+        *,
+        json_schema: str | dict | None = None,
+        json_object: bool | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        choice: Sequence[str] | None = None,
+        constraint: CompiledConstraint | None = None,
         **sampling_fields: object,
-    ) -> list[Result]:
-        """Run a batch of prompts to completion and return their results in order.
+    ) -> list[Result] | list[list[Result]]:
+        """Run a batch of prompts to completion and return their results in order; with
+        ``n > 1`` (a sampling field), a list of the ``n`` samples' results per prompt. A
+        constraint (see ``submit``) applies to every prompt.
 
         All or nothing: when a prompt is refused, the ones before it are withdrawn."""
+        spec = ConstraintSpec.from_kwargs(json_schema, json_object, regex, grammar, choice)
+        if spec is not None:
+            if constraint is not None:
+                raise InvalidRequestError(spec.kind, "give a constraint or a compiled constraint=, not both")
+            constraint = self.compile_constraint(spec)
         ids: list[str] = []
         try:
             for prompt in prompts:
-                ids.append(self.submit(prompt, max_new_tokens, stop_token_ids, **sampling_fields))
+                ids.append(
+                    self.submit(prompt, max_new_tokens, stop_token_ids, constraint=constraint, **sampling_fields)
+                )
         except Exception:
             self._withdraw(ids)
             raise
         wanted = set(ids)
-        results: dict[str, Result] = {}
-        while len(results) < len(ids):
+        results: dict[str, dict[int, Result]] = {i: {} for i in ids}
+        done: set[str] = set()
+        while len(done) < len(ids):
             for event in self.step():
                 if event.result is not None and event.request_id in wanted:
-                    results[event.request_id] = event.result
+                    results[event.request_id][event.sample_index] = event.result
+                    if event.request_finished:
+                        done.add(event.request_id)
         for i in ids:
             self.release(i)
-        return [results[i] for i in ids]
+        n = sampling_fields.get("n", 1)
+        if n == 1:
+            return [results[i][0] for i in ids]
+        return [[results[i][s] for s in range(n)] for i in ids]
 
     def _withdraw(self, request_ids: list[str]) -> None:
         """Forget requests that were submitted but not yet stepped, as if never submitted."""
         for request_id in request_ids:
-            self._finish(self._requests.pop(request_id), FinishReason.CANCELLED)
+            for sample in samples.members(self._requests.pop(request_id)):
+                self._finish(sample, FinishReason.CANCELLED)
 
     def close(self) -> None:
         """Cancel what is active and drop the KV tensors; events not yet handed out are dropped."""
         if self._closed:
             return
         for request in list(self._requests.values()):
-            if not request.finished:
-                self._finish(request, FinishReason.CANCELLED)
+            for sample in samples.members(request):
+                if not sample.finished:
+                    self._finish(sample, FinishReason.CANCELLED)
         self._pending.clear()
         self._closed = True
         self.decode_graphs = None  # graphs hold the KV tensors' addresses

@@ -42,6 +42,15 @@ class Event:
     # On the first token event of a request that asked: entry i scores prompt token i + 1
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # the N best there (N > 0)
+    # With several samples (``n``) each event is of one sample, and a final event ends that
+    # sample only: the request ends with the final event after which no other sample runs.
+    sample_index: int = 0
+    samples_running: int = 0  # other samples of the request not finished after this event
+
+    @property
+    def request_finished(self) -> bool:
+        """Whether the request as a whole ended with this event (its last sample's end)."""
+        return self.finished and self.samples_running == 0
 
 
 @dataclass
@@ -86,6 +95,7 @@ class Result:
     # When asked for and the prompt was scored (see ``Event``): entry i scores prompt token i + 1
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    sample_index: int = 0  # which sample of an n-request this is
 
     @classmethod
     def of(
@@ -101,6 +111,7 @@ class Result:
         stop_reason: int | str | None = None,
         prompt_logprobs: list[float] | None = None,
         prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
+        sample_index: int = 0,
     ) -> "Result":
         def since_arrival(t: float | None) -> float | None:
             return None if t is None else t - m.arrival_time
@@ -126,4 +137,5 @@ class Result:
             stop_reason=stop_reason,
             prompt_logprobs=prompt_logprobs,
             prompt_top_logprobs=prompt_top_logprobs,
+            sample_index=sample_index,
         )

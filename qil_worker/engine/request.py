@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qil_worker.engine.outputs import FinishReason, RequestMetrics, Result
 from qil_worker.engine.prompt_logprobs import PromptLogprobs
@@ -11,11 +12,16 @@ from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.kv.page_table import PageTable
 from qil_worker.text.output import TextOutput
 
+if TYPE_CHECKING:
+    from qil_worker.structured.matcher import ConstraintMatcher
+    from qil_worker.engine.samples import SampleGroup
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages (new, or preempted to recompute later)
     RUNNING = "running"  # admitted, holds pages for its computed tokens
     FINISHED = "finished"  # ended for good; holds no pages
+    UNFORKED = "unforked"  # a later sample of an n-request, in no queue until sample 0 forks it
 
 
 @dataclass(eq=False)
@@ -42,10 +48,14 @@ class Request:
     admitted_seq: int = -1  # admission order: the most recent one is preempted first
     times_bypassed: int = 0  # waiting: how often a later request was admitted first (shortest-first)
     text: TextOutput | None = None  # streamed text, when the engine has a tokenizer
+    # structured output: where the output is in its grammar; every accepted token advances it
+    grammar: "ConstraintMatcher | None" = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # collected while the prompt is computed, if asked
+    sample_index: int = 0  # which of the request's samples this is (``engine.samples``)
+    group: "SampleGroup | None" = None  # the request's samples when it has several
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +86,7 @@ class Request:
             output_text=self.text.text if self.text is not None else None,
             stop_reason=self.stop_reason,
             **self._prompt_logprobs(),
+            sample_index=self.sample_index,
         )
 
     def _prompt_logprobs(self) -> dict[str, object]:

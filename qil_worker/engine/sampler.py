@@ -1,9 +1,9 @@
 """Choosing the next token of every sampled request: one batched tensor pipeline per step.
 
-Order (as transformers' processors, logit_bias before them): logit_bias → penalties →
-min_new_tokens mask → temperature → [logprobs are read here] → top-k → top-p → min-p → draw.
-Requests with different settings share the batch; each stage runs only when some request in
-the step uses it.
+Order: grammar bitmask (structured output) → logit_bias → penalties → min_new_tokens mask →
+temperature → [logprobs are read here] → top-k → top-p → min-p → draw (the stages after the
+grammar as transformers' processors). Requests with different settings share the batch; each
+stage runs only when some request in the step uses it.
 
 Draws use inverse-CDF sampling with one uniform number per request, derived by hashing the
 request's seed with the index of the token being drawn. That makes a seeded request's tokens
@@ -20,6 +20,7 @@ import torch
 
 from qil_worker.engine.request import Request
 from qil_worker.engine.transfer import to_device
+from qil_worker.structured.bitmask import GrammarMasks
 
 
 @dataclass
@@ -36,6 +37,9 @@ def uniform_for(seed: int, index: int) -> float:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self.grammar_masks = GrammarMasks()
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         """``logits`` [S, vocab] (row i belongs to ``requests[i]``) → one token per request.
 
@@ -43,6 +47,8 @@ class Sampler:
         """
         params = [r.sampling for r in requests]
         logits = logits.float()
+        if any(r.grammar is not None for r in requests):
+            logits = apply_grammar_masks(logits, requests, self.grammar_masks)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
         if any(p.penalized for p in params):
@@ -105,6 +111,12 @@ def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
         to_device(biases, device, logits.dtype),
         accumulate=True,
     )
+
+
+def apply_grammar_masks(logits: torch.Tensor, requests: list[Request], masks: GrammarMasks) -> torch.Tensor:
+    """Forbid, in the constrained rows only, every token their grammar does not allow now: first,
+    so every later stage (and the logprobs) sees the masked distribution."""
+    return masks.apply(logits, [r.grammar for r in requests])
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -10,6 +10,10 @@ from dataclasses import dataclass, fields
 from qil_worker.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+# At most this many samples per request (``n``): they all run at once after the fork, so they
+# take as many of ``max_active``'s slots (64 by default), and a request's events and results
+# grow with it. (Here, not in ``samples``, so that the torch-free front can read the limits.)
+MAX_SAMPLES = 64
 # The sampler works in float32. A temperature under GREEDY_BELOW would divide logits out of the
 # range where softmax means anything (1e-40 already gave NaN rows and the last token id), so
 # it is greedy decoding, its limit. Temperatures and repetition penalties past these bounds
@@ -38,6 +42,7 @@ class SamplingParams:
     seed: makes sampling reproducible whatever else is in the batch (None: a random seed).
     min_new_tokens: EOS and stop ids are masked until this many tokens exist.
     ignore_eos: the model's EOS ids do not stop the request (stop_token_ids still do).
+    n: samples of the prompt in this one request, 1 to 64 (``qil_worker.engine.samples``).
     logprobs: return the chosen token's log-probability; top_logprobs: and the N best (≤ 20).
     prompt_logprobs: None (off), or return every prompt token's log-probability after the first
     under the raw model (no bias, penalties or temperature) and the N best at each (0 to 20).
@@ -55,6 +60,7 @@ class SamplingParams:
     seed: int | None = None
     min_new_tokens: int = 0
     ignore_eos: bool = False
+    n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
@@ -108,6 +114,7 @@ class SamplingParams:
         _integer("min_new_tokens", self.min_new_tokens, low=0, high=max_new_tokens)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", "must be a boolean")
+        _integer("n", self.n, low=1, high=MAX_SAMPLES)
         if not isinstance(self.logprobs, bool):
             raise InvalidRequestError("logprobs", "must be a boolean")
         _integer("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)

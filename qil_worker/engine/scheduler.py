@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from qil_worker.engine.request import Request, RequestStatus
+from qil_worker.engine.samples import unforked
 from qil_worker.kv.page_pool import PagePool
 from qil_worker.kv.prefix_cache import PrefixCache
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES, SHORTEST_FIRST_WINDOW
@@ -79,6 +80,21 @@ class Scheduler:
             self.waiting.remove(request)
         self._release_pages(request)
         request.status = RequestStatus.FINISHED
+
+    def adopt(self, request: Request, running: bool) -> None:
+        """A forked sample (``engine.samples.fork``) joins: running on the pages it was given,
+        or, without them, at the head of the queue to compute its prompt when admitted (as a
+        preempted request: its admission counts as its request's, done)."""
+        request.admitted_seq = self._admissions
+        self._admissions += 1
+        if running:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            request.page_table.pages = []
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def schedule(self) -> list[ScheduledChunk]:
         """Pick this step's work; pages for every chosen token are allocated on return."""
@@ -149,8 +165,11 @@ class Scheduler:
         ]
 
     def _admit(self, chosen: dict[Request, ScheduledChunk], budget: int) -> int:
+        # a request of n samples takes n slots from its admission on: its samples fork into
+        # running when its prompt is computed (``engine.samples``)
+        slots = len(self.running) + sum(len(unforked(r)) for r in self.running)
         for request in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.max_active:
+            if budget <= 0 or slots + 1 + len(unforked(request)) > self.max_active:
                 break
             cached = self._reuse_cached_prefix(request)
             count = min(request.num_tokens - request.num_computed_tokens, self.prefill_chunk, budget)
@@ -170,6 +189,7 @@ class Scheduler:
             request.admitted_seq = self._admissions
             self._admissions += 1
             self.running.append(request)
+            slots += 1 + len(unforked(request))
             chosen[request] = ScheduledChunk(request, request.num_computed_tokens, count)
             self._announce(chosen[request])
             budget -= count

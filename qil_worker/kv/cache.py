@@ -135,6 +135,20 @@ class KVCache:
         if bool(unwritten.any()):
             raise AssertionError(f"attention would read {int(unwritten.sum())} unwritten KV slot(s)")
 
+    def copy_pages(self, sources: list[int], targets: list[int]) -> None:
+        """K and V of page ``sources[i]`` into page ``targets[i]``, in every layer: one copy per
+        tensor for all pages and layers (the forked samples of a request, ``engine.samples``)."""
+        if not sources:
+            return
+        src = torch.tensor(sources, dtype=torch.long).to(self.k.device, non_blocking=True)
+        dst = torch.tensor(targets, dtype=torch.long).to(self.k.device, non_blocking=True)
+        for t in (self.k, self.v):
+            pages = t.view(t.shape[0], t.shape[1] // self.page_size, -1)  # [layers, pages, page]
+            pages.index_copy_(1, dst, pages.index_select(1, src))
+        if self._written is not None:
+            written = self._written.view(-1, self.page_size)
+            written[dst.cpu()] = written[src.cpu()]
+
     def forget_pages(self, pages: list[int]) -> None:
         """Debug bookkeeping: freed pages hold nothing a later owner may read."""
         if self._written is None or not pages:

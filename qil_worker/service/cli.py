@@ -84,6 +84,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="serve token ids only (requests with text, messages or stop strings fail)",
     )
     p.add_argument(
+        "--no-structured-warmup", action="store_true",
+        help="build the grammar library's token tables at the first constrained request (1-2 s "
+        "at a 151k vocabulary) instead of beside the first requests when the worker starts; "
+        "saves their memory (~176 MB at 151k) in a server that never sees one",
+    )
+    p.add_argument(
         "--max-queued", type=non_negative_int, default=1024,
         help="unfinished requests admitted beyond --max-active; more is RESOURCE_EXHAUSTED",
     )
@@ -237,6 +243,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             kv_memory_fraction=args.kv_memory_fraction,
             tokenizer=args.tokenizer,
             use_tokenizer=not args.no_tokenizer,
+            structured_warmup=not args.no_structured_warmup,
             max_queued=args.max_queued,
             max_restarts=args.max_restarts,
             retain_finished=args.retain_finished,

@@ -49,7 +49,7 @@ def classify_engine_error(exc: BaseException) -> tuple[RejectKind, str | None, s
     message = str(exc)
     if field and message.startswith(f"{field}: "):
         message = message[len(field) + 2 :]
-    if "TokenizerUnavailableError" in names:
+    if "TokenizerUnavailableError" in names or "FeatureUnavailableError" in names:
         return RejectKind.PRECONDITION, field, message
     if "DuplicateRequestError" in names:
         return RejectKind.DUPLICATE, field or "request_id", message

@@ -51,6 +51,9 @@ class FrontConfig:
     # None: the model directory's tokenizer when it has one; a path: that tokenizer
     tokenizer: str | None = None
     use_tokenizer: bool = True
+    # build the grammar library's tokenizer tables when the worker starts (not at the first
+    # constrained request; see --no-structured-warmup)
+    structured_warmup: bool = True
     max_queued: int = 1024
     max_restarts: int = 5
     restart_backoff_s: float = 0.5
@@ -234,7 +237,7 @@ class Front:
             # refused here as the engine would: millions of ids cost the worker seconds to receive
             too_long = CapacityError.positions(len(tokens), max_new_tokens, max_positions)
             raise from_worker_rejection(*classify_engine_error(too_long))
-        req, acked = self.requests.add(rid, len(tokens or ()))
+        req, acked = self.requests.add(rid, len(tokens or ()), int((options or {}).get("n") or 1))
         self.supervisor.send(
             P.Submit(rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(options or {}))
         )
@@ -348,6 +351,7 @@ def _worker_config(config: FrontConfig) -> dict[str, Any]:
         "kv_memory_fraction": config.kv_memory_fraction,
         "tokenizer": config.tokenizer,
         "use_tokenizer": config.use_tokenizer,
+        "structured_warmup": config.structured_warmup,
         "log_level": config.log_level,
         "log_format": config.log_format,
     }

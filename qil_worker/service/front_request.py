@@ -1,7 +1,9 @@
 """The front's view of one request (``FrontRequest``; the engine's ``Request`` is the worker's),
 and how long finished ones stay for late subscribers (``Retention``).
 
-A request's log is its list of output tokens plus, once over, its final record. Whoever follows
+A request's log is its list of output tokens plus, once over, its final record (with several
+samples, ``n``: the tokens of all samples in the order they came, each marked with its sample,
+and one end per sample, placed where it happened in that order). Whoever follows
 it registers a ``Listener`` and keeps only a cursor into the log (``streams.Subscription``), so a
 slow reader costs no memory beyond the log itself (bounded by max_new_tokens). The request
 notifies its listeners whenever it changes; nothing else changes it.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from qil_worker.service.protocol import FinalRecord, FinishReason, PromptLogprobs
 
@@ -24,28 +26,41 @@ class Listener(Protocol):
         """It ended because the worker died."""
 
 
+class SampleEnd(NamedTuple):
+    """How one sample ended, and where in its request's log."""
+
+    position: int  # the request's token count when it ended: the sample's tokens all precede it
+    sample: int
+    record: FinalRecord
+    text: str  # text released by the end itself (no token of its own)
+
+
 class FrontRequest:
     """One request as the front sees it: its output so far and, once over, its final record.
 
     Per output token i: ``tokens[i]``, and when the worker sends them ``texts[i]`` (the text
     delta that token released), ``logprobs[i]`` and ``top[i]``. Parallel lists, so a reader
     starting at any cursor gets aligned slices. ``prompt_logprobs`` arrive with token 0 and go
-    out with whichever event starts at seq 0.
+    out with whichever event starts at seq 0. With ``n`` samples, ``samples[i]`` is the sample
+    of token i (None while every token is sample 0), ``ends`` each sample's end, and ``final``
+    (the request's end) is the record of the sample that ended last.
     """
 
     __slots__ = (
-        "rid", "prompt_len", "tokens", "texts", "logprobs", "top", "final_text", "final", "lost",
-        "cached_tokens", "prompt_logprobs", "_listeners",
+        "rid", "prompt_len", "n", "tokens", "samples", "texts", "logprobs", "top", "ends", "final",
+        "lost", "cached_tokens", "prompt_logprobs", "_listeners",
     )
 
-    def __init__(self, rid: str, prompt_len: int) -> None:
+    def __init__(self, rid: str, prompt_len: int, n: int = 1) -> None:
         self.rid = rid
         self.prompt_len = prompt_len  # the worker's count once it accepted the prompt
+        self.n = max(1, n)
         self.tokens: list[int] = []
+        self.samples: list[int] | None = None
         self.texts: list[str] | None = None  # None: the worker has no tokenizer
         self.logprobs: list[float] | None = None  # None: not asked for
         self.top: list[list[tuple[int, float]]] | None = None
-        self.final_text = ""  # text released by the end itself (no token of its own)
+        self.ends: list[SampleEnd] = []  # in the order the samples ended
         self.final: FinalRecord | None = None  # how it ended, once it has
         self.lost = False  # ended because the worker died
         self.cached_tokens = 0  # prompt tokens from the prefix cache, once its first token came
@@ -65,17 +80,18 @@ class FrontRequest:
 
     def append(
         self, token: int, text: str | None, logprob: float | None, top: list | None,
-        final: FinalRecord | None = None,
+        final: FinalRecord | None = None, sample: int = 0,
     ) -> None:
-        """One event of the worker: a token (``token >= 0``) or the end's own text, and the
-        final record when the request ended with it."""
+        """One event of the worker for one ``sample``: a token (``token >= 0``) or the end's own
+        text, and the final record when the sample ended with it."""
         if text is not None and self.texts is None:
             self.texts = [""] * len(self.tokens)
-        if token < 0:
-            if text:
-                self.final_text += text
-        else:
+        if token >= 0:
             self.tokens.append(token)
+            if sample or self.samples is not None:
+                if self.samples is None:
+                    self.samples = [0] * (len(self.tokens) - 1)
+                self.samples.append(sample)
             if self.texts is not None:
                 self.texts.append(text or "")
             if logprob is not None:
@@ -87,27 +103,41 @@ class FrontRequest:
                     self.top = [[] for _ in range(len(self.tokens) - 1)]
                 self.top.append(top)
         if final is not None:
-            self.final = final
+            self.ends.append(SampleEnd(len(self.tokens), sample, final, (text or "") if token < 0 else ""))
+            if len(self.ends) >= self.n:
+                self.final = final
         for listener in list(self._listeners):
             listener.request_changed(self)
 
     def fail(self, error: str) -> None:
         """End it here, in the front, with an error (the worker refused it)."""
-        self.final = self._error_record(error)
+        self._end_all(error)
         for listener in list(self._listeners):
             listener.request_changed(self)
 
     def lose(self, error: str) -> None:
         """End it because the worker died."""
         self.lost = True
-        self.final = self._error_record(error)
+        self._end_all(error)
         for listener in list(self._listeners):
             listener.request_lost(self)
 
-    def _error_record(self, error: str) -> FinalRecord:
+    def _end_all(self, error: str) -> None:
+        """End every sample not ended yet with an error, and so the request."""
+        ended = {end.sample for end in self.ends}
+        for sample in range(self.n):
+            if sample not in ended:
+                self.ends.append(SampleEnd(len(self.tokens), sample, self._error_record(error, sample), ""))
+        self.final = self.ends[-1].record
+
+    def _error_record(self, error: str, sample: int = 0) -> FinalRecord:
+        if self.samples is None:
+            produced = len(self.tokens) if sample == 0 else 0
+        else:
+            produced = self.samples.count(sample)
         return FinalRecord(
             reason=FinishReason.ERROR, error=error, num_prompt_tokens=self.prompt_len,
-            num_output_tokens=len(self.tokens), num_cached_tokens=self.cached_tokens, stop_reason=None,
+            num_output_tokens=produced, num_cached_tokens=self.cached_tokens, stop_reason=None,
             metrics=None,
         )
 

@@ -160,6 +160,8 @@ class WorkerInfo:
     max_active: int
     pid: int
     stats: PoolStats
+    # constrained requests can run: the grammar library imports and there is a tokenizer
+    structured_output: bool = False
 
 
 @message
@@ -241,10 +243,12 @@ class StepBatch:
     tokenizer, ``logprobs[i]`` / ``top_logprobs[i]`` None when not asked for. A request that
     ended in this step has its ``finals`` entry, a request whose first token this is and that
     asked for prompt logprobs its ``prompt_logprobs`` entry (sparse: empty in most steps).
-    Columns pickle as a handful of lists, where a record per event would cost one object per
-    token on both sides of the pipe. ``cached``: the prompt tokens served from the prefix cache
-    of each request whose first token is in this batch (so the front has them should the worker
-    die before the request's final record).
+    A request of several samples (``n``) has one event per sample: ``samples[i]`` is the sample
+    of event i (the column is None when every event is of sample 0), and the final of sample
+    s > 0 is keyed ``(request_id, s)``. Columns pickle as a handful of lists, where a record per
+    event would cost one object per token on both sides of the pipe. ``cached``: the prompt
+    tokens served from the prefix cache of each request whose first token is in this batch (so
+    the front has them should the worker die before the request's final record).
     """
 
     acks: list[Ack]
@@ -253,11 +257,12 @@ class StepBatch:
     texts: list[str | None]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
-    finals: dict[str, FinalRecord]
+    finals: dict[str | tuple[str, int], FinalRecord]
     stats: PoolStats
     timing: StepTiming | None  # None: the iteration ran no step (only acks)
     cached: dict[str, int]
     prompt_logprobs: dict[str, PromptLogprobs]
+    samples: list[int] | None = None
 
     def __reduce__(self) -> tuple:
         # Pickled as plain values under one reconstructor: each class a pickle names costs an
@@ -273,6 +278,7 @@ class StepBatch:
             None if self.timing is None else (self.timing.seconds, self.timing.batch_size),
             self.cached,
             {rid: (p.logprobs, p.top) for rid, p in self.prompt_logprobs.items()},
+            self.samples,
         ))
 
 
@@ -282,7 +288,7 @@ _STATS = operator.attrgetter(*(f.name for f in fields(PoolStats)))
 
 def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list, tops: list,
                 finals: dict, stats: tuple, timing: tuple | None, cached: dict,
-                prompt_logprobs: dict) -> StepBatch:
+                prompt_logprobs: dict, samples: list | None = None) -> StepBatch:
     """``StepBatch.__reduce__`` undone."""
     return StepBatch(
         [Ack(rid, n, None if r is None else Rejection(RejectKind(r[0]), r[1], r[2])) for rid, n, r in acks],
@@ -293,6 +299,7 @@ def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list
         None if timing is None else StepTiming(*timing),
         cached,
         {rid: PromptLogprobs(*p) for rid, p in prompt_logprobs.items()},
+        samples,
     )
 
 

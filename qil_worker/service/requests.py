@@ -1,9 +1,9 @@
 """A ``SubmitRequest`` → the arguments of ``Engine.submit`` (front side, torch-free).
 
 Only what the wire format itself cannot say is checked here (which prompt form, proto3 presence,
-limits that protect the worker); every value range is checked once, by the engine, whose
-``InvalidRequestError.field`` uses the same names as the proto fields and reaches the caller
-through ``errors.classify_engine_error``.
+limits that protect the worker, a constraint's size); every value range is checked once, by the
+engine, whose ``InvalidRequestError.field`` uses the same names as the proto fields and reaches
+the caller through ``errors.classify_engine_error``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client.options import NAMES as OPTION_NAMES
 from qil_worker.engine.sampling_params import MAX_LOGIT_BIAS
+from qil_worker.errors import InvalidRequestError
 from qil_worker.service import limits
 from qil_worker.service.errors import invalid
+from qil_worker.structured.spec import ConstraintSpec  # torch- and llguidance-free
 
 if TYPE_CHECKING:
     from qil_worker.service.front import Front
@@ -67,11 +69,28 @@ def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
         if len(bias) > MAX_LOGIT_BIAS:
             raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
         options["logit_bias"] = bias
+    options.update(_constraint(request))
     for name in OPTION_NAMES:  # Engine.submit takes each under its proto name
         if request.HasField(name):
             options[name] = getattr(request, name)
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.DEFAULT_MAX_NEW_TOKENS
     return SubmitArgs(request.request_id, token_ids, max_new, list(request.stop_token_ids), options)
+
+
+def _constraint(request: pb.SubmitRequest) -> dict[str, Any]:
+    """The ``constraint`` oneof → its Engine.submit keyword (none for ``json_object: false``),
+    checked here by the worker's own rules (``ConstraintSpec``: sizes, an empty choice list...)
+    so that an oversized schema is refused before it crosses the pipe. Whether it compiles is
+    the worker's to say."""
+    kind = request.WhichOneof("constraint")
+    if kind is None:
+        return {}
+    value = list(request.choice.choices) if kind == "choice" else getattr(request, kind)
+    try:
+        spec = ConstraintSpec.from_kwargs(**{kind: value})
+    except InvalidRequestError as exc:
+        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+    return {} if spec is None else {kind: value}
 
 
 async def submit_to(front: "Front", request: pb.SubmitRequest) -> "FrontRequest":

@@ -6,6 +6,7 @@ here; each request then tells its own listeners.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Callable, Iterable
 
 from qil_worker.service import protocol as P
@@ -49,10 +50,10 @@ class RequestsInFlight:
     def unfinished_ids(self) -> list[str]:
         return [rid for rid, req in self._requests.items() if req.final is None]
 
-    def add(self, rid: str, prompt_len: int) -> tuple[FrontRequest, asyncio.Future[P.Ack]]:
-        """A submit about to be sent: its request (replacing a finished one of that id) and the
-        future of its ack."""
-        req = FrontRequest(rid, prompt_len)
+    def add(self, rid: str, prompt_len: int, n: int = 1) -> tuple[FrontRequest, asyncio.Future[P.Ack]]:
+        """A submit (of ``n`` samples) about to be sent: its request (replacing a finished one of
+        that id) and the future of its ack."""
+        req = FrontRequest(rid, prompt_len, n)
         self._retained.forget(rid)
         self._requests[rid] = req
         self.num_unfinished += 1
@@ -89,15 +90,16 @@ class RequestsInFlight:
             req = requests.get(rid)
             if req is not None:
                 req.prompt_logprobs = scored
-        for rid, token, text, logprob, top in zip(
-            batch.request_ids, batch.token_ids, batch.texts, batch.logprobs, batch.top_logprobs
+        samples = batch.samples or itertools.repeat(0)
+        for rid, token, text, logprob, top, sample in zip(
+            batch.request_ids, batch.token_ids, batch.texts, batch.logprobs, batch.top_logprobs, samples
         ):
             req = requests.get(rid)
             if req is None or req.final is not None:
                 continue
-            final = finals.get(rid) if finals else None
-            req.append(token, text, logprob, top, final)
-            if final is not None:
+            final = finals.get((rid, sample) if sample else rid) if finals else None
+            req.append(token, text, logprob, top, final, sample)
+            if req.final is not None:  # its last sample ended: the request did
                 self._finished(req)
 
     def lose_all(self, error: str) -> None:

@@ -82,8 +82,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     sub.written()
                 if sub.done:
                     return
-                await news.wait()
-                news.clear()
+                if not sub.has_more:
+                    await news.wait()
+                    news.clear()
         finally:
             sub.close()
             if not sub.done:
@@ -185,6 +186,7 @@ def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:
         hidden_size=info.hidden_size,
         has_tokenizer=info.has_tokenizer,
         has_chat_template=info.has_chat_template,
+        structured_output=info.structured_output,
     )
     engine_limits = pb.EngineLimits(
         page_size=info.page_size,

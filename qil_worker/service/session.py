@@ -187,6 +187,8 @@ class StreamSession:
                     yield pb.StreamEventsResponse(event=ev)
                     self.writes.done()
                     sub.written()
+                    if sub.has_more and self.subs.get(req) is sub:
+                        self.dirty[sub] = None  # the rest of a request of several samples
             if self.half_closed and not self.control and not self.subs:
                 return
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_worker.service import limits
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted
-from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.front_request import FrontRequest, SampleEnd
 from qil_worker.service.protocol import RequestMetrics
 
 if TYPE_CHECKING:
@@ -32,22 +32,52 @@ def request_metrics(metrics: RequestMetrics) -> pb.RequestMetrics:
 
 
 def build_event(req: FrontRequest, cursor: int) -> tuple[pb.Event | None, int, bool]:
-    """The event that takes a reader from ``cursor`` to the end of ``req``'s log.
+    """The event that takes a new reader from ``cursor`` towards the end of ``req``'s log.
 
     Returns ``(event or None, new cursor, done)``. All tokens produced since the cursor go into
-    one event: that is the coalescing for readers slower than the worker.
+    one event (of one sample: see ``next_event``): that is the coalescing for readers slower
+    than the worker.
+    """
+    ev, cursor, _, done = next_event(req, cursor, ends_before(req, cursor))
+    return ev, cursor, done
+
+
+def ends_before(req: FrontRequest, cursor: int) -> int:
+    """How many sample ends a reader starting at ``cursor`` has seen: those before it."""
+    return sum(1 for end in req.ends if end.position < cursor)
+
+
+def next_event(req: FrontRequest, cursor: int, ends_seen: int) -> tuple[pb.Event | None, int, int, bool]:
+    """The next event of a reader at ``cursor`` that has seen ``ends_seen`` of ``req.ends``:
+    every token since the cursor up to the next token of another sample or the next sample end,
+    and that end when it is this sample's. Returns ``(event or None, cursor, ends_seen, done)``.
     """
     n = len(req.tokens)
-    final = req.final
-    if cursor >= n and final is None:
-        return None, cursor, False
-    ev = pb.Event(request_id=req.rid, seq=cursor, token_ids=req.tokens[cursor:])
+    ends = req.ends
+    while ends_seen < len(ends) and ends[ends_seen].position < cursor:
+        ends_seen += 1  # (a reader that subscribed ahead of the output: ended before its from_seq)
+    end = ends[ends_seen] if ends_seen < len(ends) else None
+    if end is not None and end.position <= cursor:  # an end with no token of its own left
+        ev = pb.Event(request_id=req.rid, seq=cursor, sample_index=end.sample)
+        if req.texts is not None:
+            ev.text = end.text
+        return ev, cursor, ends_seen + 1, _close(ev, req, end, ends_seen + 1)
+    if cursor >= n:
+        return None, cursor, ends_seen, False
+    stop = n if end is None else end.position
+    sample = 0
+    if req.samples is not None:
+        samples = req.samples
+        sample = samples[cursor]
+        stop = next((i for i in range(cursor + 1, stop) if samples[i] != sample), stop)
+    ev = pb.Event(request_id=req.rid, seq=cursor, token_ids=req.tokens[cursor:stop], sample_index=sample)
+    closes = end is not None and end.position == stop and end.sample == sample
     if req.texts is not None:
-        ev.text = "".join(req.texts[cursor:]) + (req.final_text if final is not None else "")
+        ev.text = "".join(req.texts[cursor:stop]) + (end.text if closes else "")
     if req.logprobs is not None:
-        ev.logprobs.extend(req.logprobs[cursor:])
+        ev.logprobs.extend(req.logprobs[cursor:stop])
     if req.top is not None:
-        for top in req.top[cursor:]:
+        for top in req.top[cursor:stop]:
             ev.top_logprobs.add().candidates.extend(
                 pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top
             )
@@ -58,22 +88,31 @@ def build_event(req: FrontRequest, cursor: int) -> tuple[pb.Event | None, int, b
             ev.prompt_top_logprobs.add().candidates.extend(
                 pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top
             )
-    if final is not None:
-        ev.finished = True
-        ev.finish_reason = final.reason
-        if final.error:
-            ev.error = final.error
-        ev.num_prompt_tokens = req.prompt_len
-        ev.num_output_tokens = n
-        if final.metrics is not None:
-            ev.metrics.CopyFrom(request_metrics(final.metrics))
-        ev.num_cached_tokens = final.num_cached_tokens
-        stop = final.stop_reason
-        if isinstance(stop, str):
-            ev.stop_string = stop
-        elif stop is not None:
-            ev.stop_token_id = stop
-    return ev, n, final is not None
+    if not closes:
+        return ev, stop, ends_seen, False
+    return ev, stop, ends_seen + 1, _close(ev, req, end, ends_seen + 1)
+
+
+def _close(ev: pb.Event, req: FrontRequest, end: SampleEnd, ends_seen: int) -> bool:
+    """Make ``ev`` the final event of ``end``'s sample; True when it ends the request too."""
+    final = end.record
+    done = req.final is not None and ends_seen == len(req.ends)
+    ev.sample_finished = True
+    ev.finished = done
+    ev.finish_reason = final.reason
+    if final.error:
+        ev.error = final.error
+    ev.num_prompt_tokens = req.prompt_len
+    ev.num_output_tokens = final.num_output_tokens
+    if final.metrics is not None:
+        ev.metrics.CopyFrom(request_metrics(final.metrics))
+    ev.num_cached_tokens = final.num_cached_tokens
+    stop = final.stop_reason
+    if isinstance(stop, str):
+        ev.stop_string = stop
+    elif stop is not None:
+        ev.stop_token_id = stop
+    return done
 
 
 def past_the_end(req: FrontRequest, from_seq: int) -> ServiceError:
@@ -112,8 +151,8 @@ class Subscription:
     """
 
     __slots__ = (
-        "req", "cursor", "done", "lost", "exhausted", "_written", "_max_backlog", "_writes",
-        "_on_news", "_on_behind",
+        "req", "cursor", "ends_seen", "done", "lost", "exhausted", "_written", "_max_backlog",
+        "_writes", "_on_news", "_on_behind",
     )
 
     def __init__(
@@ -127,6 +166,7 @@ class Subscription:
     ) -> None:
         self.req = req
         self.cursor = cursor
+        self.ends_seen = ends_before(req, cursor)  # sample ends already built (``next_event``)
         self.done = False  # the final event was built
         self.lost = False
         self.exhausted = False
@@ -141,16 +181,24 @@ class Subscription:
         self.req.unlisten(self)
 
     def next_event(self) -> pb.Event | None:
-        ev, self.cursor, self.done = build_event(self.req, self.cursor)
+        ev, self.cursor, self.ends_seen, self.done = next_event(self.req, self.cursor, self.ends_seen)
         return ev
 
     def advance(self) -> tuple[int, int]:
         """Take the cursor to the end of the log without building an event; returns the slice
-        ``(start, end)`` of the log now to be written (the HTTP front builds its own chunks)."""
+        ``(start, end)`` of the log now to be written (the HTTP front builds its own chunks,
+        one request per sample)."""
         start = self.cursor
         self.cursor = len(self.req.tokens)
+        self.ends_seen = len(self.req.ends)
         self.done = self.req.final is not None
         return start, self.cursor
+
+    @property
+    def has_more(self) -> bool:
+        """Whether ``next_event`` has an event to build now (with several samples, one event
+        may leave more: the next sample's tokens, or an end)."""
+        return self.cursor < len(self.req.tokens) or self.ends_seen < len(self.req.ends)
 
     def written(self) -> None:
         self._written = self.cursor

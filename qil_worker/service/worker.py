@@ -15,7 +15,8 @@ refilling all its slots when a wave of requests ends together — then get one p
 together instead of one request alone first and the rest a whole step later. A busy worker
 never waits: it takes whatever arrived while the step ran. Long text prompts are tokenized on
 a thread beside the loop (``prompt_encoder``), so a prompt of megabytes stalls no other stream;
-so are long Tokenize / Detokenize calls (``tokenizer_calls``), short ones are answered in the loop.
+so are long Tokenize / Detokenize calls (``tokenizer_calls``), short ones are answered in the
+loop. Structured-output constraints are compiled on another thread (``constraint_compiles``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
+from qil_worker.service.constraint_compiles import ConstraintCompiles
 from qil_worker.service.heap import freeze_startup_heap
 from qil_worker.service.prompt_encoder import PromptEncoder
 from qil_worker.service.tokenizer_calls import detokenize, tokenize
@@ -72,7 +74,8 @@ def worker_main(conn: Any, config: dict[str, Any]) -> None:
         sys.exit(3)
     try:
         conn.send(P.Ready(info))
-        code = _serve(conn, engine, parent_pid)
+        warm = info.structured_output and config.get("structured_warmup", True)
+        code = _serve(conn, engine, parent_pid, warm_structured=warm)
     except (EOFError, OSError):
         log.warning("front went away; worker exits")
         code = 0
@@ -125,6 +128,7 @@ def _load(config: dict[str, Any]):
     engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, retained_results=0, **engine_kw)
     _warm_up(engine, cfg.vocab_size)
     _install_forward_fault(model, os.environ.get(FAULT_FORWARD_ENV))
+    structured = _can_constrain(engine)  # imports the grammar library: before the heap freeze
     frozen = freeze_startup_heap()
     stats = engine.stats()
     info = P.WorkerInfo(
@@ -153,14 +157,16 @@ def _load(config: dict[str, Any]):
         max_active=stats.max_active,
         pid=os.getpid(),
         stats=pool_stats(engine),
+        structured_output=structured,
     )
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
         "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
-        "%d start-up objects frozen for the GC",
+        "structured output: %s; %d start-up objects frozen for the GC",
         info.name, time.perf_counter() - t0, info.dtype, info.device, pool.num_pages,
         info.kv_pool, info.memory, tokenizer_dir or "none", "on" if info.prefix_cache else "off",
-        info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off", frozen,
+        info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off",
+        "on" if info.structured_output else "off", frozen,
     )
     return engine, info
 
@@ -263,6 +269,17 @@ def _load_tokenizer(config: dict[str, Any], model_dir: str, vocab_size: int) -> 
     return tokenizer, str(path)
 
 
+def _can_constrain(engine: Any) -> bool:
+    """Whether constrained requests can run: the grammar library imports and there is a
+    tokenizer (``Engine.grammars`` says which is missing otherwise; its tables are built later)."""
+    try:
+        engine.grammars
+    except Exception as exc:  # noqa: BLE001 - FeatureUnavailableError: said once, here
+        log.info("structured output unavailable: %s", exc)
+        return False
+    return True
+
+
 def _warm_up(engine: Any, vocab_size: int) -> None:
     """One tiny request end to end, so the first real request does not pay for lazy init."""
     engine.submit([i % vocab_size for i in range(4)], max_new_tokens=2, request_id="__qil_warmup__")
@@ -326,7 +343,7 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
         if ev.result is not None:
             if ev.error:
                 log.warning("request failed: %s", ev.error, extra={"request_id": ev.request_id})
-            finals[ev.request_id] = final_record(ev.result)
+            finals[(ev.request_id, ev.sample_index) if ev.sample_index else ev.request_id] = final_record(ev.result)
         elif ev.index == 0 and ev.token_id is not None and engine is not None:
             cached[ev.request_id] = int(engine.result(ev.request_id).num_cached_tokens)
     return P.StepBatch(
@@ -344,22 +361,29 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
             ev.request_id: P.PromptLogprobs(ev.prompt_logprobs, ev.prompt_top_logprobs)
             for ev in events if ev.prompt_logprobs is not None
         },
+        samples=[ev.sample_index for ev in events] if any(ev.sample_index for ev in events) else None,
     )
 
 
-def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
+def _serve(conn: Any, engine: Any, parent_pid: int, warm_structured: bool = False) -> int:
     encoder = PromptEncoder(engine.tokenizer)
+    compiles = ConstraintCompiles(engine)
+    if warm_structured:
+        compiles.warm_up()  # after Ready: the model serves while the tables are built
     try:
-        return _loop(conn, engine, parent_pid, encoder)
+        return _loop(conn, engine, parent_pid, encoder, compiles)
     finally:
         encoder.close()
+        compiles.close()
 
 
-def _wait_for_work(conn: Any, parent_pid: int, encoder: PromptEncoder) -> bool:
-    """Block (no spinning) until the front sends something or a prompt is encoded; False when
-    the front is gone (EOF on the pipe is the main signal, the parent check the fallback)."""
-    while not conn.poll(0.0 if encoder.busy else PARENT_CHECK_S):
-        if encoder.busy and encoder.wait(ENCODING_POLL_S):
+def _wait_for_work(conn: Any, parent_pid: int, beside: tuple[PromptEncoder, ConstraintCompiles]) -> bool:
+    """Block (no spinning) until the front sends something or a prompt is encoded or a
+    constraint compiled (``beside``); False when the front is gone (EOF on the pipe is the main
+    signal, the parent check the fallback)."""
+    while not conn.poll(0.0 if any(b.busy for b in beside) else PARENT_CHECK_S):
+        busy = [b for b in beside if b.busy]
+        if any(b.wait(ENCODING_POLL_S / len(busy)) for b in busy):
             return True
         if os.getppid() != parent_pid:
             log.warning("front process %d is gone; worker exits", parent_pid)
@@ -367,19 +391,35 @@ def _wait_for_work(conn: Any, parent_pid: int, encoder: PromptEncoder) -> bool:
     return True
 
 
-def _drain(conn: Any, engine: Any, encoder: PromptEncoder, burst_until: float) -> list[P.Ack] | None:
+def _drain(conn: Any, engine: Any, encoder: PromptEncoder, compiles: ConstraintCompiles,
+           burst_until: float) -> list[P.Ack] | None:
     """Take every pending message (and, waking from idle, those of a burst until
-    ``burst_until``) so submits and cancels take effect before the step; None on ``Stop``."""
+    ``burst_until``) so submits and cancels take effect before the step; None on ``Stop``.
+
+    A submit goes to the engine once its long text prompt is encoded (``encoder``) and then its
+    constraint compiled (``compiles``), each on a thread; it is acknowledged then."""
     acks: list[P.Ack] = []
+
+    def submit_now(msg: P.Submit, error: BaseException | None = None, cancelled: bool = False) -> None:
+        acks.append(submit(engine, msg, error))
+        if cancelled:  # a cancel came while it was encoded or compiled
+            engine.cancel(msg.request_id)
+
+    def submit_when_ready(msg: P.Submit, error: BaseException | None = None, cancelled: bool = False) -> None:
+        if error is None and compiles.takes(msg.options):
+            compiles.start(msg, cancelled)  # acknowledged once compiled (``compiles.finished``)
+        else:
+            submit_now(msg, error, cancelled)
+
     while conn.poll(min(BURST_GAP_S, max(0.0, burst_until - time.monotonic()))):
         msg = conn.recv()
         if isinstance(msg, P.Submit):
             if encoder.takes(msg.options):
                 encoder.start(msg)  # acknowledged once encoded (``encoder.finished``)
             else:
-                acks.append(submit(engine, msg))
+                submit_when_ready(msg)
         elif isinstance(msg, P.Cancel):
-            if not encoder.cancel(msg.request_id):
+            if not (encoder.cancel(msg.request_id) or compiles.cancel(msg.request_id)):
                 engine.cancel(msg.request_id)
         elif isinstance(msg, P.TOKENIZER_CALLS):
             _tokenizer_call(conn, engine, encoder, msg)
@@ -387,10 +427,10 @@ def _drain(conn: Any, engine: Any, encoder: PromptEncoder, burst_until: float) -
             return None
     for answer in encoder.answers():
         conn.send(answer)
-    for msg, error, cancelled in encoder.finished():
-        acks.append(submit(engine, msg, error))
-        if cancelled:
-            engine.cancel(msg.request_id)
+    for encoded in encoder.finished():
+        submit_when_ready(*encoded)
+    for compiled in compiles.finished():
+        submit_now(*compiled)
     return acks
 
 
@@ -406,14 +446,14 @@ def _tokenizer_call(conn: Any, engine: Any, encoder: PromptEncoder, call: P.Toke
         conn.send(answer(*args))
 
 
-def _loop(conn: Any, engine: Any, parent_pid: int, encoder: PromptEncoder) -> int:
+def _loop(conn: Any, engine: Any, parent_pid: int, encoder: PromptEncoder, compiles: ConstraintCompiles) -> int:
     while True:
         burst_until = 0.0
         if engine.idle:
-            if not _wait_for_work(conn, parent_pid, encoder):
+            if not _wait_for_work(conn, parent_pid, (encoder, compiles)):
                 return 0
             burst_until = time.monotonic() + BURST_WINDOW_S
-        acks = _drain(conn, engine, encoder, burst_until)
+        acks = _drain(conn, engine, encoder, compiles, burst_until)
         if acks is None:
             return 0
         events: list = []

@@ -37,7 +37,7 @@ def output_text(req: FrontRequest, start: int, end: int) -> str:
         return ""
     text = "".join(req.texts[start:end])
     if req.final is not None and end == len(req.tokens):
-        text += req.final_text
+        text += "".join(e.text for e in req.ends)  # (one request per sample: one end)
     return text
 
 

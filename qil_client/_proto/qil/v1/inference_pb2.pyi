@@ -37,7 +37,7 @@ WORKER_STATE_FAILED: WorkerState
 WORKER_STATE_STOPPING: WorkerState
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "messages", "enable_thinking", "max_new_tokens", "stop_token_ids", "stop_strings", "include_stop_string", "skip_special_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "prompt_logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "messages", "enable_thinking", "max_new_tokens", "stop_token_ids", "stop_strings", "include_stop_string", "skip_special_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "prompt_logprobs", "json_schema", "json_object", "regex", "grammar", "choice", "n")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,12 @@ class SubmitRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -93,7 +99,13 @@ class SubmitRequest(_message.Message):
     top_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
     prompt_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    choice: Choices
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -102,6 +114,12 @@ class ChatMessage(_message.Message):
     role: str
     content: str
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens")
@@ -190,7 +208,7 @@ class RequestMetrics(_message.Message):
     def __init__(self, queue_time_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., mean_itl_s: _Optional[float] = ..., max_itl_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("request_id", "seq", "token_ids", "text", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "finished", "finish_reason", "error", "num_prompt_tokens", "num_output_tokens", "metrics", "num_cached_tokens", "stop_token_id", "stop_string")
+    __slots__ = ("request_id", "seq", "token_ids", "text", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "finished", "finish_reason", "error", "num_prompt_tokens", "num_output_tokens", "metrics", "num_cached_tokens", "stop_token_id", "stop_string", "sample_index", "sample_finished")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +226,8 @@ class Event(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FINISHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -225,7 +245,9 @@ class Event(_message.Message):
     num_cached_tokens: int
     stop_token_id: int
     stop_string: str
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
+    sample_index: int
+    sample_finished: bool
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., sample_index: _Optional[int] = ..., sample_finished: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -246,7 +268,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "demo", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "num_hidden_layers", "hidden_size", "has_tokenizer", "has_chat_template")
+    __slots__ = ("name", "demo", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "num_hidden_layers", "hidden_size", "has_tokenizer", "has_chat_template", "structured_output")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEMO_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +280,7 @@ class ModelInfo(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     demo: bool
     vocab_size: int
@@ -269,7 +292,8 @@ class ModelInfo(_message.Message):
     hidden_size: int
     has_tokenizer: bool
     has_chat_template: bool
-    def __init__(self, name: _Optional[str] = ..., demo: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    structured_output: bool
+    def __init__(self, name: _Optional[str] = ..., demo: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., structured_output: _Optional[bool] = ...) -> None: ...
 
 class EngineLimits(_message.Message):
     __slots__ = ("page_size", "token_budget", "prefill_chunk", "max_active", "max_queued", "max_request_id_length", "schedule_policy", "attention_backend", "cuda_graphs")
