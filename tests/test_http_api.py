@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -370,3 +372,34 @@ def test_echo_with_logprobs_scores_the_prompt(oai, grpc_client):
                                            stream=True, extra_body={"ignore_eos": True}, **GREEDY))
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == gen.choices[0].logprobs.tokens
     assert "".join(c.choices[0].text for c in streamed) == gen.choices[0].text
+
+
+BOOL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+               "additionalProperties": False}
+
+
+def test_json_schema_response_validates(oai):
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": BOOL_SCHEMA, "strict": True}}
+    out = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=48, response_format=fmt, **GREEDY)
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), BOOL_SCHEMA)
+    streamed = list(oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=48, response_format=fmt,
+                                                stream=True, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == out.choices[0].message.content
+    guided = oai.completions.create(model="tiny", prompt="json:", max_tokens=48, extra_body={"guided_json": BOOL_SCHEMA},
+                                    **GREEDY)
+    jsonschema.validate(json.loads(guided.choices[0].text), BOOL_SCHEMA)
+
+
+def test_json_object_regex_and_choice(oai):
+    # (a prompt whose greedy object closes within the budget on this random model)
+    obj = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=48,
+                                      response_format={"type": "json_object"}, **GREEDY)
+    assert obj.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    regex = oai.completions.create(model="tiny", prompt="abc:", max_tokens=16, extra_body={"guided_regex": "[a-c]{3}"},
+                                   **GREEDY)
+    assert re.fullmatch("[a-c]{3}", regex.choices[0].text)
+    choice = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16,
+                                         extra_body={"guided_choice": ["yes", "no"]}, **GREEDY)
+    assert choice.choices[0].message.content in ("yes", "no")

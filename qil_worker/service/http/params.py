@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qil_worker.engine.sampling_params import MAX_LOGIT_BIAS
+from qil_worker.errors import InvalidRequestError
+from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.service import limits
 from qil_worker.service.errors import invalid
 
@@ -68,6 +70,12 @@ def param_of(engine_field: str | None, chat: bool) -> str | None:
         "top_logprobs": "top_logprobs" if chat else "logprobs",
         "include_stop_string": "include_stop_str_in_output",
         "enable_thinking": "chat_template_kwargs",
+        # a constraint the worker refused (it does not compile, say)
+        "json_schema": "response_format" if chat else "guided_json",
+        "json_object": "response_format",
+        "regex": "guided_regex",
+        "grammar": "guided_grammar",
+        "choice": "guided_choice",
     }
     return names.get(engine_field, engine_field)
 
@@ -280,22 +288,11 @@ def _constraint(body: dict, chat: bool) -> dict[str, Any]:
     if not found:
         return {}
     name, option = found[0]
-    missing = [k for k in option if k in NOT_IN_THIS_ENGINE]
-    if missing:
-        raise invalid(name, NOT_IN_THIS_ENGINE[missing[0]])
+    try:  # the worker's own rules (sizes, an empty choice...), before the option crosses the pipe
+        ConstraintSpec.from_kwargs(**option)
+    except InvalidRequestError as exc:
+        raise invalid(name, str(exc).removeprefix(f"{exc.field}: ")) from None
     return option
-
-
-# Engine.submit keywords that this build's engine lacks yet, refused naming the parameter that
-# asked for them (a caller relying on a constraint must not get unconstrained text).
-_LATER = "is not supported by this server yet"
-NOT_IN_THIS_ENGINE: dict[str, str] = {
-    "json_schema": f"json_schema {_LATER}",
-    "json_object": f"json_object {_LATER}",
-    "regex": f"regex constraints {_LATER}",
-    "grammar": f"grammar constraints {_LATER}",
-    "choice": f"choice constraints {_LATER}",
-}
 
 
 def completion_params(body: dict) -> CallParams:
