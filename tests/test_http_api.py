@@ -403,3 +403,35 @@ def test_json_object_regex_and_choice(oai):
     choice = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16,
                                          extra_body={"guided_choice": ["yes", "no"]}, **GREEDY)
     assert choice.choices[0].message.content in ("yes", "no")
+
+
+def test_n_is_one_request_per_prompt_and_streams_as_it_answers(oai, server):
+    """The engine's n: one request per prompt (its prompt computed once), choice p * n + j its
+    sample j; the stream's choices add up to the answer's."""
+    front = server.server.front
+    before = front.num_requests_total
+    kw = dict(model="tiny", prompt=["p one", "p two"], max_tokens=6, n=3, seed=5, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    full = oai.completions.create(**kw)
+    assert front.num_requests_total == before + 2
+    assert [c.index for c in full.choices] == list(range(6))
+    assert full.usage.completion_tokens == 36
+    texts: dict[int, str] = {}
+    finish = {}
+    for chunk in oai.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert [texts[i] for i in range(6)] == [c.text for c in full.choices]
+    assert finish == {i: "length" for i in range(6)}
+    echo = dict(model="tiny", prompt="p one", max_tokens=2, n=2, echo=True, logprobs=1, seed=1, temperature=1.0,
+                extra_body={"ignore_eos": True})
+    answer = oai.completions.create(**echo)
+    tokens: dict[int, list] = {}
+    for chunk in oai.completions.create(stream=True, **echo):
+        for ch in chunk.choices:
+            tokens.setdefault(ch.index, []).extend(ch.logprobs.tokens)
+    for i in range(2):
+        assert tokens[i] == answer.choices[i].logprobs.tokens
+        assert answer.choices[i].text.startswith("p one")

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 
 from qil_worker.service.errors import ServiceError, http_status, invalid, openai_error, unknown_model
-from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.front_request import FrontRequest, SampleEnd
 from qil_worker.service.http.choices import Choices, request_failure, submit_all
 from qil_worker.service.http.params import CallParams, param_of
-from qil_worker.service.http.shapes import created, ids_for_strings, new_id, usage
+from qil_worker.service.http.shapes import by_sample, created, ids_for_strings, new_id, sample_end, usage
 from qil_worker.service.http.sse import ChunkFrame, EventStream, dumps
 
 if TYPE_CHECKING:
@@ -40,11 +40,13 @@ class Endpoint(Protocol):
 
     def opening_chunks(self, state: Any, count: int) -> list[dict]: ...
 
-    def chunk_choice(self, state: Any, index: int, req: FrontRequest, start: int, end: int,
-                     strings: dict[int, str] | None) -> dict: ...
+    def chunk_choice(self, state: Any, index: int, req: FrontRequest, positions: list[int],
+                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict:
+        """The choice part of a chunk: the tokens at log ``positions`` of one sample, and its
+        ``end`` when it ended."""
 
-    def full_choice(self, state: Any, index: int, req: FrontRequest,
-                    strings: dict[int, str] | None) -> dict: ...
+    def full_choice(self, state: Any, index: int, req: FrontRequest, positions: list[int],
+                    end: SampleEnd | None, strings: dict[int, str] | None) -> dict: ...
 
 
 async def read_body(request: web.Request) -> dict:
@@ -81,21 +83,25 @@ async def handle(ctx: "HttpContext", request: web.Request, endpoint: Endpoint) -
         raise with_api_param(err, endpoint.chat) from None
     choices = Choices(front, reqs)
     head = {"id": call_id, "object": endpoint.object_name, "created": created(), "model": ctx.model_name}
-    first = reqs[:: params.n]
+    n = params.n
     try:
         if params.stream:
-            return await _stream(ctx, request, endpoint, params, state, choices, head, first)
+            return await _stream(ctx, request, endpoint, params, state, choices, head)
         await choices.wait()
         for req in reqs:
             failure = request_failure(req)
             if failure is not None:
                 raise failure
         strings = await _strings(ctx, params, [(r, 0, len(r.tokens)) for r in reqs])
-        return web.json_response(
-            {**head, "choices": [endpoint.full_choice(state, i, r, strings) for i, r in enumerate(reqs)],
-             "usage": usage(first, reqs, not params.hide_output)},
-            dumps=dumps,
-        )
+        answers = []
+        for p, req in enumerate(reqs):
+            positions = by_sample(req, 0, len(req.tokens))
+            answers.extend(
+                endpoint.full_choice(state, p * n + j, req, positions.get(j, []), sample_end(req, j), strings)
+                for j in range(n)
+            )
+        return web.json_response({**head, "choices": answers, "usage": usage(reqs, not params.hide_output)},
+                                 dumps=dumps)
     finally:
         choices.close()
 
@@ -112,30 +118,35 @@ async def _strings(ctx: "HttpContext", params: CallParams,
 
 
 async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, params: CallParams,
-                  state: Any, choices: Choices, head: dict, first: list[FrontRequest]) -> web.StreamResponse:
+                  state: Any, choices: Choices, head: dict) -> web.StreamResponse:
     events = EventStream(request, choices.writes)
     await events.open()
     chunk_head = {**head, "object": endpoint.chunk_object}
     # every chunk of one choice: the call's fields around it, encoded once
     frame = ChunkFrame(chunk_head, params.include_usage)
-    for chunk in endpoint.opening_chunks(state, len(choices.reqs)):
+    n = params.n
+    for chunk in endpoint.opening_chunks(state, len(choices.reqs) * n):
         await events.send_raw(frame.encode(chunk))
     logprobs = params.top_logprobs is not None
     try:
-        async for index, start, end in choices.updates():
-            req = choices.reqs[index]
-            strings = await _strings(ctx, params, [(req, start, end)]) if logprobs else None
-            failure = request_failure(req)
+        async for r, start, end, ends in choices.updates():
+            req = choices.reqs[r]
+            failure = request_failure(req, ends)
             if failure is not None:
                 raise failure
-            await events.send_raw(frame.encode(endpoint.chunk_choice(state, index, req, start, end, strings)))
+            strings = await _strings(ctx, params, [(req, start, end)]) if logprobs else None
+            positions = by_sample(req, start, end)
+            ended = {e.sample: e for e in ends}
+            for j in sorted(positions.keys() | ended.keys()):
+                choice = endpoint.chunk_choice(state, r * n + j, req, positions.get(j, []), ended.get(j), strings)
+                await events.send_raw(frame.encode(choice))
     except ServiceError as err:
         # the status line went out with the first chunk: the error is an event of the stream
         await events.send(openai_error(err))
         await events.close()
         return events.response
     if params.include_usage:
-        await events.send({**chunk_head, "choices": [], "usage": usage(first, choices.reqs, not params.hide_output)})
+        await events.send({**chunk_head, "choices": [], "usage": usage(choices.reqs, not params.hide_output)})
     await events.close()
     return events.response
 

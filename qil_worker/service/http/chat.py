@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qil_worker.service.errors import invalid
-from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.front_request import FrontRequest, SampleEnd
 from qil_worker.service.http.params import CallParams, Prompt, chat_params
 from qil_worker.service.http.shapes import chat_logprobs, finish_reason, output_text
 
@@ -52,17 +52,16 @@ class Chat:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for i in range(count)]
 
-    def chunk_choice(self, state: None, index: int, req: FrontRequest, start: int, end: int,
-                     strings: dict[int, str] | None) -> dict:
-        text = output_text(req, start, end)
+    def chunk_choice(self, state: None, index: int, req: FrontRequest, positions: list[int],
+                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict:
+        text = output_text(req, positions, end)
         return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": chat_logprobs(req, start, end, strings) if strings is not None else None,
-                "finish_reason": finish_reason(req)}
+                "logprobs": chat_logprobs(req, positions, strings) if strings is not None else None,
+                "finish_reason": finish_reason(end)}
 
-    def full_choice(self, state: None, index: int, req: FrontRequest,
-                    strings: dict[int, str] | None) -> dict:
+    def full_choice(self, state: None, index: int, req: FrontRequest, positions: list[int],
+                    end: SampleEnd | None, strings: dict[int, str] | None) -> dict:
         return {"index": index,
-                "message": {"role": "assistant", "content": output_text(req, 0, len(req.tokens)),
-                            "refusal": None},
-                "logprobs": chat_logprobs(req, 0, len(req.tokens), strings) if strings is not None else None,
-                "finish_reason": finish_reason(req)}
+                "message": {"role": "assistant", "content": output_text(req, positions, end), "refusal": None},
+                "logprobs": chat_logprobs(req, positions, strings) if strings is not None else None,
+                "finish_reason": finish_reason(end)}

@@ -12,7 +12,7 @@ import grpc
 
 from qil_worker.service.errors import ServiceError, unavailable
 from qil_worker.service.front import Front
-from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.front_request import FrontRequest, SampleEnd
 from qil_worker.service.http.params import CallParams, Prompt
 from qil_worker.service.protocol import FinishReason
 from qil_worker.service.streams import (
@@ -35,19 +35,16 @@ def _prompt_options(prompt: Prompt) -> dict:
 
 
 async def submit_all(front: Front, params: CallParams, call_id: str) -> list[FrontRequest]:
-    """One request per prompt and sample, choice ``i`` = prompt ``i // n``, sample ``i % n``
-    (the API's order). All or none: when one is refused the others are cancelled and the
-    refusal raised. Sample ``j`` of a seeded call is seeded ``seed + j``, so the samples differ
-    and the call is still reproducible."""
+    """One request per prompt, its ``n`` samples in it (the engine computes the prompt once and
+    forks; choice ``p * n + j`` is sample ``j`` of prompt ``p``, the API's order). All or none:
+    when one is refused the others are cancelled and the refusal raised."""
     jobs = []
     for p, prompt in enumerate(params.prompts):
-        for j in range(params.n):
-            options = dict(params.options, **_prompt_options(prompt))
-            if j and "seed" in options:
-                options["seed"] = options["seed"] + j
-            rid = f"{call_id}-{p * params.n + j}"
-            jobs.append(front.submit(rid, prompt.token_ids, params.max_new_tokens,
-                                     params.stop_token_ids, options))
+        options = dict(params.options, **_prompt_options(prompt))
+        if params.n > 1:
+            options["n"] = params.n
+        jobs.append(front.submit(f"{call_id}-{p}", prompt.token_ids, params.max_new_tokens,
+                                 params.stop_token_ids, options))
     if len(jobs) == 1:  # (the common call: no task for it)
         return [await jobs[0]]
     results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -60,19 +57,20 @@ async def submit_all(front: Front, params: CallParams, call_id: str) -> list[Fro
     return results  # type: ignore[return-value]
 
 
-def request_failure(req: FrontRequest) -> ServiceError | None:
-    """The error a request ended with (None: it did not)."""
-    final = req.final
-    if final is None or final.reason is not FinishReason.ERROR:
+def request_failure(req: FrontRequest, ends: list[SampleEnd] | None = None) -> ServiceError | None:
+    """The error a request (or one of ``ends``) ended with (None: it did not)."""
+    failed = [e.record for e in (req.ends if ends is None else ends) if e.record.reason is FinishReason.ERROR]
+    if not failed:
         return None
+    final = failed[0]
     if req.lost:
         return unavailable(final.error or "worker process died")
     return ServiceError(grpc.StatusCode.INTERNAL, final.error or "the request failed")
 
 
 class Choices:
-    """Followers of the requests of one call; ``updates()`` yields ``(choice, start, end)`` as
-    they produce, ``close()`` cancels the ones not over."""
+    """Followers of the requests of one call; ``updates()`` yields ``(request, start, end,
+    ends)`` as they produce, ``close()`` cancels the ones not over."""
 
     def __init__(self, front: Front, reqs: list[FrontRequest]) -> None:
         self.front = front
@@ -82,6 +80,7 @@ class Choices:
         self._news = asyncio.Event()
         self._dirty: dict[int, None] = {}
         self._fault: ServiceError | None = None
+        self._ends_seen = [0] * len(reqs)
         self.subs = [
             Subscription(req, 0, self._bound, self.writes, self._on_news(i), self._behind)
             for i, req in enumerate(reqs)
@@ -108,9 +107,10 @@ class Choices:
     def done(self) -> bool:
         return all(s.done for s in self.subs)
 
-    async def updates(self) -> AsyncIterator[tuple[int, int, int]]:
-        """``(choice, start, end)``: tokens ``start:end`` of that choice are new (``start ==
-        end``: only its end is); ServiceError when the worker died or the reader fell behind."""
+    async def updates(self) -> AsyncIterator[tuple[int, int, int, list[SampleEnd]]]:
+        """``(request, start, end, ends)``: log positions ``start:end`` of that request are new,
+        and so are the sample ``ends``; ServiceError when the worker died or the reader fell
+        behind."""
         while True:
             if self._fault is not None:
                 raise self._fault
@@ -121,8 +121,10 @@ class Choices:
                 if sub.done:
                     continue
                 start, end = sub.advance()
-                if end > start or sub.done:
-                    yield index, start, end
+                ends = sub.req.ends[self._ends_seen[index]:]
+                self._ends_seen[index] += len(ends)
+                if end > start or ends:
+                    yield index, start, end, ends
                     sub.written()
                 if self._fault is not None:
                     raise self._fault

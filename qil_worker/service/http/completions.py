@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.front_request import FrontRequest, SampleEnd
 from qil_worker.service.http.params import CallParams, Prompt, completion_params
 from qil_worker.service.http.shapes import completion_logprobs, finish_reason, output_text, prompt_part
 
@@ -68,27 +68,28 @@ class Completions:
             return None
         return prompt_part(state.prompt_ids[index // state.n], req, {**state.prompt_strings, **strings})
 
-    def chunk_choice(self, state: CompletionState, index: int, req: FrontRequest, start: int, end: int,
-                     strings: dict[int, str] | None) -> dict:
+    def chunk_choice(self, state: CompletionState, index: int, req: FrontRequest, positions: list[int],
+                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict:
         first = index not in state.sent
         prefix = self._echo(state, index) if first else ""
         if state.hide_output:
-            end = start
+            positions = []
         before = state.sent.get(index, 0)
-        text = prefix + ("" if state.hide_output else output_text(req, start, end))
+        text = prefix + ("" if state.hide_output else output_text(req, positions, end))
         state.sent[index] = before + len(text)
         logprobs = None
         if strings is not None:
             prompt = self._prompt_part(state, index, req, strings) if first else None
-            logprobs = completion_logprobs(req, start, end, strings, before + len(prefix), prompt)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(req)}
+            logprobs = completion_logprobs(req, positions, strings, before + len(prefix), prompt)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(end)}
 
-    def full_choice(self, state: CompletionState, index: int, req: FrontRequest,
-                    strings: dict[int, str] | None) -> dict:
+    def full_choice(self, state: CompletionState, index: int, req: FrontRequest, positions: list[int],
+                    end: SampleEnd | None, strings: dict[int, str] | None) -> dict:
         echo = self._echo(state, index)
-        end = 0 if state.hide_output else len(req.tokens)
+        if state.hide_output:
+            positions = []
+        text = echo + ("" if state.hide_output else output_text(req, positions, end))
         logprobs = None
         if strings is not None:
-            logprobs = completion_logprobs(req, 0, end, strings, len(echo), self._prompt_part(state, index, req, strings))
-        return {"index": index, "text": echo + output_text(req, 0, end),
-                "logprobs": logprobs, "finish_reason": finish_reason(req)}
+            logprobs = completion_logprobs(req, positions, strings, len(echo), self._prompt_part(state, index, req, strings))
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(end)}

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.front_request import FrontRequest, SampleEnd
 from qil_worker.service.protocol import FinishReason
 
 _FINISH = {
@@ -25,28 +25,41 @@ def created() -> int:
     return int(time.time())
 
 
-def finish_reason(req: FrontRequest) -> str | None:
-    final = req.final
-    return None if final is None else _FINISH.get(final.reason, "error")
+def finish_reason(end: SampleEnd | None) -> str | None:
+    """The API's finish reason of a sample that ended with ``end`` (None: not yet)."""
+    return None if end is None else _FINISH.get(end.record.reason, "error")
 
 
-def output_text(req: FrontRequest, start: int, end: int) -> str:
-    """The text that the tokens ``start:end`` released, with the end's own at the end; empty
+def by_sample(req: FrontRequest, start: int, end: int) -> dict[int, list[int]]:
+    """The log positions ``start:end`` of each sample (a request of ``n`` samples interleaves
+    their tokens in one log)."""
+    if req.samples is None:
+        return {0: list(range(start, end))} if end > start else {}
+    out: dict[int, list[int]] = {}
+    for i in range(start, end):
+        out.setdefault(req.samples[i], []).append(i)
+    return out
+
+
+def sample_end(req: FrontRequest, sample: int) -> SampleEnd | None:
+    return next((e for e in req.ends if e.sample == sample), None)
+
+
+def output_text(req: FrontRequest, positions: list[int], end: SampleEnd | None) -> str:
+    """The text that the tokens at ``positions`` released, and ``end``'s own after them; empty
     without a tokenizer (the worker sends no text then: ask for token ids)."""
     if req.texts is None:
         return ""
-    text = "".join(req.texts[start:end])
-    if req.final is not None and end == len(req.tokens):
-        text += "".join(e.text for e in req.ends)  # (one request per sample: one end)
-    return text
+    texts = req.texts
+    return "".join([texts[i] for i in positions]) + (end.text if end is not None else "")
 
 
-def usage(first_samples: list[FrontRequest], every: list[FrontRequest], output: bool = True) -> dict[str, Any]:
-    """The prompt counted once per prompt (the first sample of each), the output of all
+def usage(reqs: list[FrontRequest], output: bool = True) -> dict[str, Any]:
+    """The prompt of each request once (its samples share it), the output of every sample
     (``output`` False: none was answered)."""
-    prompt = sum(r.prompt_len for r in first_samples)
-    completion = sum(len(r.tokens) for r in every) if output else 0
-    cached = sum(r.final.num_cached_tokens if r.final is not None else r.cached_tokens for r in first_samples)
+    prompt = sum(r.prompt_len for r in reqs)
+    completion = sum(len(r.tokens) for r in reqs) if output else 0
+    cached = sum(r.final.num_cached_tokens if r.final is not None else r.cached_tokens for r in reqs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -72,15 +85,15 @@ def prompt_part(prompt_ids: list[int], req: FrontRequest, strings: dict[int, str
             "text_offset": offsets}
 
 
-def completion_logprobs(req: FrontRequest, start: int, end: int, strings: dict[int, str],
+def completion_logprobs(req: FrontRequest, positions: list[int], strings: dict[int, str],
                         offset: int, prompt: dict[str, list] | None = None) -> dict[str, Any]:
-    """``{tokens, token_logprobs, top_logprobs, text_offset}`` of tokens ``start:end`` (after
-    the echoed ``prompt``'s, when given); each top_logprobs entry includes the sampled token, as
-    the API's does."""
-    tokens = req.tokens[start:end]
-    lps = req.logprobs[start:end] if req.logprobs is not None else [None] * len(tokens)
-    tops = req.top[start:end] if req.top is not None else [[] for _ in tokens]
-    texts = req.texts[start:end] if req.texts is not None else [""] * len(tokens)
+    """``{tokens, token_logprobs, top_logprobs, text_offset}`` of the tokens at ``positions``
+    (after the echoed ``prompt``'s, when given); each top_logprobs entry includes the sampled
+    token, as the API's does."""
+    tokens = [req.tokens[i] for i in positions]
+    lps = [req.logprobs[i] for i in positions] if req.logprobs is not None else [None] * len(tokens)
+    tops = [req.top[i] for i in positions] if req.top is not None else [[] for _ in tokens]
+    texts = [req.texts[i] for i in positions] if req.texts is not None else [""] * len(tokens)
     offsets = []
     for text in texts:
         offsets.append(offset)
@@ -98,13 +111,13 @@ def completion_logprobs(req: FrontRequest, start: int, end: int, strings: dict[i
     return out
 
 
-def chat_logprobs(req: FrontRequest, start: int, end: int, strings: dict[int, str]) -> dict[str, Any]:
+def chat_logprobs(req: FrontRequest, positions: list[int], strings: dict[int, str]) -> dict[str, Any]:
     """``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``; a
     token's bytes are those of its string (a token that ends inside a character has the
     replacement character's)."""
-    tokens = req.tokens[start:end]
-    lps = req.logprobs[start:end] if req.logprobs is not None else [0.0] * len(tokens)
-    tops = req.top[start:end] if req.top is not None else [[] for _ in tokens]
+    tokens = [req.tokens[i] for i in positions]
+    lps = [req.logprobs[i] for i in positions] if req.logprobs is not None else [0.0] * len(tokens)
+    tops = [req.top[i] for i in positions] if req.top is not None else [[] for _ in tokens]
 
     def entry(t: int, lp: float) -> dict[str, Any]:
         s = strings[t]
@@ -120,10 +133,12 @@ def chat_logprobs(req: FrontRequest, start: int, end: int, strings: dict[int, st
 
 
 def ids_for_strings(req: FrontRequest, start: int, end: int) -> set[int]:
-    """The token ids whose strings a logprobs answer of ``start:end`` needs."""
+    """The token ids whose strings a logprobs answer of log positions ``start:end`` needs (the
+    prompt's candidates too, with position 0)."""
     ids = set(req.tokens[start:end])
     scored = req.prompt_logprobs
-    if start == 0 and scored is not None and scored.top:
+    # (with samples, a sample's first chunk can start later in the log and carry the prompt's)
+    if (start == 0 or req.samples is not None) and scored is not None and scored.top:
         for top in scored.top:
             ids.update(c for c, _ in top)
     if req.top is not None:
