@@ -653,3 +653,20 @@ def test_compiling_beside_the_step_loop(model, tokenizer):
     for n, rid in zip(range(2, 8), ids):
         assert re.fullmatch(f"[a-z]{{{n}}}", engine.result(rid).output_text)
     assert all(engine.result(i).finish_reason is FinishReason.LENGTH for i in free)
+
+
+def test_masks_filled_beside_the_forward_equal_masks_filled_inline(model, tokenizer):
+    outputs = []
+    for overlap in (True, False):
+        engine = new_engine(model, tokenizer)
+        engine.sampler.grammar_masks.overlap = overlap
+        ids = [
+            engine.submit(p, max_new_tokens=40, json_schema=SCHEMAS["array_of_objects"], seed=i, **SAMPLED)
+            for i, p in enumerate(PROMPTS)
+        ]
+        ids += [engine.submit(p, max_new_tokens=20, seed=i, **SAMPLED) for i, p in enumerate(PROMPTS)]
+        run_to_completion(engine)
+        outputs.append([engine.result(i).output_token_ids for i in ids])
+        assert (engine.sampler.grammar_masks._pool is not None) == overlap
+        assert_pool_free(engine)
+    assert outputs[0] == outputs[1]

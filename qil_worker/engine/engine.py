@@ -340,18 +340,21 @@ class Engine:
             if chunk.request.metrics.first_scheduled_time is None:
                 chunk.request.metrics.first_scheduled_time = now
         try:
+            vocab = self.model.config.vocab_size
             if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
-                logits = self.decode_graphs.run(chunks)
                 computed = sampled_chunks = chunks
+                self.sampler.prepare([c.request for c in sampled_chunks], vocab)
+                logits = self.decode_graphs.run(chunks)
             else:
                 batch = build_step_batch(
                     chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
                 )
                 self.kv.check_reads(batch.attention)
+                computed, sampled_chunks = batch.chunks, batch.sampled
+                self.sampler.prepare([c.request for c in sampled_chunks], vocab)
                 logits = self.model(
                     batch.input_ids, batch.positions, batch.attention, self.kv, batch.sample_indices
                 )
-                computed, sampled_chunks = batch.chunks, batch.sampled
             sampled = self.sampler.sample(logits, [c.request for c in sampled_chunks])
         except Exception as exc:  # the whole forward failed: fail its requests, keep serving
             log.exception("step failed for %d request(s)", len(chunks))

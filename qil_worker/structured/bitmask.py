@@ -3,6 +3,8 @@ one masked fill to those rows only."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import torch
 
 from qil_worker.structured.matcher import ConstraintMatcher
@@ -17,18 +19,40 @@ _BYTE_BIASES = torch.tensor(
 
 
 class GrammarMasks:
-    """A persistent int32 buffer [rows, ceil(vocab / 32)] the matchers fill each step."""
+    """A persistent int32 buffer [rows, ceil(vocab / 32)] the matchers fill each step.
 
-    def __init__(self) -> None:
+    With ``overlap``, ``prepare`` starts the fill on a helper thread while the step's forward
+    runs (a mask depends only on the tokens already accepted, and llguidance releases the GIL);
+    ``apply`` then waits for it. Without ``prepare``, ``apply`` fills inline.
+    """
+
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap = overlap
         self._buffer = torch.empty(0, 0, dtype=torch.int32)
         self._biases: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: tuple[list[ConstraintMatcher], concurrent.futures.Future] | None = None
+
+    def prepare(self, matchers: list[ConstraintMatcher | None], vocab: int) -> None:
+        """Start filling the masks of the rows about to be sampled (None: unconstrained rows)."""
+        self._settle()
+        if not self.overlap:
+            return
+        constrained = [m for m in matchers if m is not None]
+        masks = self._rows(len(constrained), (vocab + 31) // 32)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qil-grammar-masks")
+        self._pending = (constrained, self._pool.submit(self._fill, masks, constrained))
 
     def apply(self, logits: torch.Tensor, matchers: list[ConstraintMatcher | None]) -> torch.Tensor:
         """Make every token the grammar of row i forbids -inf, in place (rows whose matcher is None
         are left alone); returns ``logits``. ``logits`` [rows, vocab] float, the step's own."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
+        constrained = [matchers[i] for i in rows]
         vocab = logits.shape[1]
-        masks = self._fill([matchers[i] for i in rows], (vocab + 31) // 32)
+        masks = self._prepared(constrained, (vocab + 31) // 32)
+        if masks is None:
+            masks = self._fill(self._rows(len(constrained), (vocab + 31) // 32), constrained)
         bias = self._biases_of(masks.to(logits.device, non_blocking=True), vocab, logits.dtype)
         with torch.inference_mode():  # the model's logits are inference tensors
             if len(rows) == len(matchers):
@@ -38,13 +62,31 @@ class GrammarMasks:
                 logits.index_copy_(0, index, logits.index_select(0, index).add_(bias))
         return logits
 
-    def _fill(self, matchers: list[ConstraintMatcher], words: int) -> torch.Tensor:
-        n = len(matchers)
+    def _prepared(self, matchers: list[ConstraintMatcher], words: int) -> torch.Tensor | None:
+        """The masks ``prepare`` filled, if it was for exactly these matchers and this width."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        prepared, future = pending
+        masks = future.result()
+        same = len(prepared) == len(matchers) and all(a is b for a, b in zip(prepared, matchers))
+        return masks if same and masks.shape[1] == words else None
+
+    def _settle(self) -> None:
+        """Wait for a fill still running (a step that failed after ``prepare``): the buffer is reused."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            concurrent.futures.wait([pending[1]])
+
+    def _rows(self, n: int, words: int) -> torch.Tensor:
         if self._buffer.shape[0] < n or self._buffer.shape[1] != words:
             rows = max(n, 2 * self._buffer.shape[0]) if self._buffer.shape[1] == words else n
             self._buffer = torch.empty(rows, words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        masks = self._buffer[:n]
-        row_bytes = words * 4
+        return self._buffer[:n]
+
+    @staticmethod
+    def _fill(masks: torch.Tensor, matchers: list[ConstraintMatcher]) -> torch.Tensor:
+        row_bytes = masks.shape[1] * 4
         base = masks.data_ptr()
         for i, matcher in enumerate(matchers):
             matcher.fill_mask(base + i * row_bytes, row_bytes)
