@@ -273,9 +273,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64, help="max_new_tokens of the constrained requests")
     p.add_argument("--repeat", type=int, default=2, help="constrained/free run pairs (medians)")
     p.add_argument("--ttft-trials", type=int, default=5, help="new/cached schema pairs (medians)")
-    p.add_argument("--compare-inline-fill", action="store_true",
-                   help="also run the constrained requests with the masks filled after the forward "
-                        "instead of beside it (C, C-inline, F interleaved)")
+    p.add_argument("--compare-overlap", action="store_true",
+                   help="also run the constrained requests with the masks filled on a helper thread "
+                        "beside the forward (the engine's choice on CUDA; C, C-overlap, F interleaved)")
     p.add_argument("--quick", action="store_true", help="tiny model and tokenizer (smoke test)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
 
     run_batch(engine, prompts[:2], [4, 4], constraint, [])  # warm-up, both paths
     run_batch(engine, prompts[:2], [4, 4], None, [])
-    rows = {"constrained": [], "free": [], "inline": []}
+    rows = {"constrained": [], "free": [], "other": []}
     fill_ms, stage_ms, step_ms = [], [], []
     masks = engine.sampler.grammar_masks
     for _ in range(args.repeat):
@@ -332,10 +332,10 @@ def main(argv=None) -> int:
         stage_ms.append(1e3 * statistics.mean(timer.stage))
         step_ms.append(1e3 * statistics.mean(steps))
         rows["constrained"].append(c)
-        if args.compare_inline_fill:
-            masks.overlap = False
-            rows["inline"].append(run_batch(engine, prompts, [args.new_tokens] * args.requests, constraint, []))
-            masks.overlap = True
+        if args.compare_overlap:
+            default, masks.overlap = masks.overlap, not masks.overlap
+            rows["other"].append(run_batch(engine, prompts, [args.new_tokens] * args.requests, constraint, []))
+            masks.overlap = default
         rows["free"].append(run_batch(engine, prompts, c["lengths"], None, []))
     for r in rows["constrained"][-1]["texts"]:
         assert r is not None
@@ -347,23 +347,26 @@ def main(argv=None) -> int:
           f"new tokens ({last['tokens']} made, {last['stopped']} complete), temperature 1, seeded")
     print(f"  constrained {c_tok_s:.1f} tok/s, free {f_tok_s:.1f} tok/s, ratio {statistics.median(ratios):.3f} "
           f"(per pair: {', '.join(f'{x:.3f}' for x in ratios)})")
-    if rows["inline"]:
-        inline = [i["tok_s"] / f["tok_s"] for i, f in zip(rows["inline"], rows["free"])]
-        print(f"  masks filled after the forward instead: {statistics.median(r['tok_s'] for r in rows['inline']):.1f} "
-              f"tok/s, ratio {statistics.median(inline):.3f} (per pair: {', '.join(f'{x:.3f}' for x in inline)})")
-    print(f"  grammar stage per step: fill {statistics.median(fill_ms):.2f} ms (beside the forward), "
+    where = "beside the forward" if masks.overlap else "after the forward"
+    if rows["other"]:
+        other = [o["tok_s"] / f["tok_s"] for o, f in zip(rows["other"], rows["free"])]
+        print(f"  masks filled {'after' if masks.overlap else 'beside'} the forward instead: "
+              f"{statistics.median(r['tok_s'] for r in rows['other']):.1f} tok/s, ratio "
+              f"{statistics.median(other):.3f} (per pair: {', '.join(f'{x:.3f}' for x in other)})")
+    print(f"  grammar stage per step: fill {statistics.median(fill_ms):.2f} ms ({where}), "
           f"sampler stage {statistics.median(stage_ms):.2f} ms, of a {statistics.median(step_ms):.1f} ms step")
     print(f"  schema compile (first time) {1e3 * compile_s:.1f} ms")
 
     if args.ttft_trials < 1:
         return 0
     new, cached = [], []
-    ttft_prompts = [[rng.randrange(regular) for _ in range(args.prompt_len)] for _ in range(2 * args.ttft_trials)]
-    first_token_time(engine, ttft_prompts[0], json_schema=variant(-1))  # warm-up
+    # a fresh prompt for every request: none may find its prompt in the prefix cache
+    ttft_prompts = [[rng.randrange(regular) for _ in range(args.prompt_len)] for _ in range(3 * args.ttft_trials + 1)]
+    first_token_time(engine, ttft_prompts[-1], json_schema=variant(-1))  # warm-up
     for k in range(args.ttft_trials):
         new.append(first_token_time(engine, ttft_prompts[2 * k], json_schema=variant(k)))
         cached.append(first_token_time(engine, ttft_prompts[2 * k + 1], json_schema=variant(k)))
-    free_ttft = [first_token_time(engine, ttft_prompts[k]) for k in range(args.ttft_trials)]
+    free_ttft = [first_token_time(engine, ttft_prompts[2 * args.ttft_trials + k]) for k in range(args.ttft_trials)]
     overhead = [n - c for n, c in zip(new, cached)]
     print(f"ttft ({args.prompt_len}-token prompt, idle engine, medians of {args.ttft_trials}): new schema "
           f"{1e3 * statistics.median(new):.1f} ms, cached {1e3 * statistics.median(cached):.1f} ms, free "

@@ -656,6 +656,7 @@ def test_compiling_beside_the_step_loop(model, tokenizer):
 
 
 def test_masks_filled_beside_the_forward_equal_masks_filled_inline(model, tokenizer):
+    assert not new_engine(model, tokenizer).sampler.grammar_masks.overlap, "CPU: inline"
     outputs = []
     for overlap in (True, False):
         engine = new_engine(model, tokenizer)

@@ -143,6 +143,8 @@ class Engine:
             policy=schedule_policy,
         )
         self.sampler = Sampler()
+        # grammar masks filled beside the forward where the host is idle meanwhile
+        self.sampler.grammar_masks.overlap = model.device.type == "cuda"
         if isinstance(attention, AttentionBackend):
             self.attention, why_not = attention, None
         else:

@@ -23,10 +23,12 @@ class GrammarMasks:
 
     With ``overlap``, ``prepare`` starts the fill on a helper thread while the step's forward
     runs (a mask depends only on the tokens already accepted, and llguidance releases the GIL);
-    ``apply`` then waits for it. Without ``prepare``, ``apply`` fills inline.
+    ``apply`` then waits for it. That pays where the host idles during the forward (CUDA); on a
+    CPU the forward already occupies every core, so the engine fills inline there
+    (docs/performance.md, "Structured output"). Without ``prepare``, ``apply`` fills inline.
     """
 
-    def __init__(self, overlap: bool = True) -> None:
+    def __init__(self, overlap: bool = False) -> None:
         self.overlap = overlap
         self._buffer = torch.empty(0, 0, dtype=torch.int32)
         self._biases: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
