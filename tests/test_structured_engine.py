@@ -509,7 +509,7 @@ def _deep_schema(depth: int) -> dict:
         (dict(json_schema={"$ref": "#/$defs/missing"}), "json_schema", "missing"),
         (dict(json_schema=_deep_schema(200)), "json_schema", "recursion limit"),
         (dict(regex="([a-z"), "regex", "unclosed"),
-        (dict(grammar='root ::= "a"'), "grammar", "Expected"),
+        (dict(grammar='root ::= "a"'), "grammar", "GBNF converts with llguidance.gbnf_to_lark"),
         (dict(grammar="start: undefined_rule"), "grammar", "undefined_rule"),
     ],
 )

@@ -17,6 +17,7 @@ from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import ConstraintSpec
 
 INSTALL_HINT = "pip install 'qil[structured]'"
+GBNF_HINT = "grammar takes llguidance's Lark dialect; GBNF converts with llguidance.gbnf_to_lark"
 CACHE_SIZE = 256  # compiled constraints kept (least recently used dropped first)
 COMPILE_TIMEOUT_S = 2.0  # a compile taking longer is refused (the limits below bound its work)
 # JSON without free whitespace: a model cannot loop in spaces, and outputs are compact.
@@ -107,7 +108,9 @@ class GrammarCompiler:
         return self._ll_tokenizer is not None
 
     def warm(self) -> None:
-        """Build llguidance's tokenizer info now (e.g. in a background thread at start)."""
+        """Build llguidance's tokenizer info now: at start, before the step loop serves. Part of
+        it (serialising the HF tokenizer to JSON) holds the GIL for a good part of the build, so
+        on a thread beside a running loop it would stall the loop about as long."""
         self._tokenizer_info()
 
     def compile(self, spec: ConstraintSpec) -> CompiledConstraint:
@@ -155,8 +158,10 @@ class GrammarCompiler:
             return CompileTimeout(spec.kind, f"the constraint did not compile within {self._timeout:g} s")
         matcher = outcome.get("matcher")
         if matcher is None or matcher.is_error():
-            message = outcome.get("error") or matcher.get_error()
-            return InvalidRequestError(spec.kind, message.strip())
+            message = (outcome.get("error") or matcher.get_error()).strip()
+            if spec.kind == "grammar" and "::=" in spec.value:
+                message += f" ({GBNF_HINT})"
+            return InvalidRequestError(spec.kind, message)
         return CompiledConstraint(spec, matcher, self.vocab_size)
 
     def _tokenizer_info(self) -> Any:
