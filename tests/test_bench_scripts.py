@@ -45,3 +45,18 @@ def test_decode_step_compares_two_attention_backends(tmp_path):
     lines = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert [int(row[0]) for row in lines] == [1, 3]
     assert "auto ms" in proc.stdout and "sdpa ms" in proc.stdout
+
+
+def test_structured_output_benchmark_reports_throughput_ratio_and_ttft(tmp_path):
+    report = tmp_path / "structured.json"
+    proc = run_script(
+        "bench_structured.py", "--quick", "--dtype", "float32", "--threads", "1", "--requests", "3",
+        "--prompt-len", "8", "--new-tokens", "8", "--repeat", "1", "--ttft-trials", "2",
+        "--model-dir", str(tmp_path / "model"), "--tokenizer-dir", str(tmp_path / "tokenizer"),
+        "--json", str(report),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(report.read_text())
+    assert result["constrained_tok_s"] > 0 and result["free_tok_s"] > 0 and result["ratio"] > 0
+    assert result["ttft_new_ms"] > 0 and result["ttft_cached_ms"] > 0 and result["fill_ms"] > 0
+    assert "constrained" in proc.stdout and "new-schema overhead" in proc.stdout

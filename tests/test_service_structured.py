@@ -280,14 +280,19 @@ def _submit_in_thread(client, order: list, name: str, **kw) -> threading.Thread:
     return t
 
 
+# Slow compiles queued one behind another: their total (about a quarter second each) is the
+# window in which the free and the cached request must end; six keep it wide on a loaded machine.
+SLOW_TAGS = "abcfgh"
+
+
 def test_a_slow_compile_stalls_no_other_request(client):
     # a constraint compiled already: looked up in the loop, so it too passes the slow compiles
     cached = {"enum": ["cached-a", "cached-b"]}
     client.generate(text=PROMPT, max_new_tokens=16, json_schema=cached)
     order: list = []
     slow = [_submit_in_thread(client, order, f"slow-{tag}", text=PROMPT, max_new_tokens=4,
-                              json_schema=_slow_schema(tag), request_id=f"slow-{tag}") for tag in "abc"]
-    wait_until(lambda: client.info().num_unfinished == 3)  # their Submits are on the pipe first
+                              json_schema=_slow_schema(tag), request_id=f"slow-{tag}") for tag in SLOW_TAGS]
+    wait_until(lambda: client.info().num_unfinished == len(SLOW_TAGS))  # their Submits are on the pipe first
     free = client.generate(text=PROMPT, max_new_tokens=12, ignore_eos=True)
     order.append("free done")
     again = client.generate(text=PROMPT, max_new_tokens=16, json_schema=cached)
@@ -295,11 +300,11 @@ def test_a_slow_compile_stalls_no_other_request(client):
     for t in slow:
         t.join(60)
     assert free.num_output_tokens == 12 and json.loads(again.text) in cached["enum"]
-    assert sorted(map(str, order)) == ["cached done", "free done", "slow-a", "slow-b", "slow-c"], order
+    assert sorted(map(str, order)) == ["cached done", "free done", *(f"slow-{tag}" for tag in SLOW_TAGS)], order
     # the free and the cached request ran while the slow constraints were still compiling
-    last_slow = max(order.index(f"slow-{tag}") for tag in "abc")
+    last_slow = max(order.index(f"slow-{tag}") for tag in SLOW_TAGS)
     assert order.index("free done") < order.index("cached done") < last_slow, order
-    for tag in "abc":
+    for tag in SLOW_TAGS:
         r = client.result(f"slow-{tag}")
         assert r.finish_reason in ("stop", "length") and r.text.startswith('{"'[: len(r.text)]), r
     assert wait_until(lambda: all_free(client))

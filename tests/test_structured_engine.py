@@ -509,7 +509,7 @@ def _deep_schema(depth: int) -> dict:
         (dict(json_schema={"$ref": "#/$defs/missing"}), "json_schema", "missing"),
         (dict(json_schema=_deep_schema(200)), "json_schema", "recursion limit"),
         (dict(regex="([a-z"), "regex", "unclosed"),
-        (dict(grammar='root ::= "a"'), "grammar", "Expected"),
+        (dict(grammar='root ::= "a"'), "grammar", "GBNF converts with llguidance.gbnf_to_lark"),
         (dict(grammar="start: undefined_rule"), "grammar", "undefined_rule"),
     ],
 )
@@ -533,8 +533,13 @@ def test_constraints_that_do_not_compile_name_their_field_with_the_librarys_mess
         dict(regex="[a-z]{1,5000}"),
         dict(regex="((a{1,50}){1,50}){1,50}"),
         dict(regex="(a|b)*a(a|b){30}"),
+        # built recursively by the library: on a default thread stack this killed the process
+        dict(grammar="start:a0\n" + "".join(f'a{i}:"x"a{(i + 1) % 5500}?\n' for i in range(5500))),
     ],
-    ids=["2000-properties", "5000-enum", "long-counted-repeat", "nested-repeats", "exponential-dfa"],
+    ids=[
+        "2000-properties", "5000-enum", "long-counted-repeat", "nested-repeats", "exponential-dfa",
+        "5500-recursive-rules",
+    ],
 )
 def test_hostile_constraints_compile_or_fail_cleanly(engine, kwargs):
     """These returned (a matcher or a clean error), and promptly enough for the suite; the
@@ -653,3 +658,21 @@ def test_compiling_beside_the_step_loop(model, tokenizer):
     for n, rid in zip(range(2, 8), ids):
         assert re.fullmatch(f"[a-z]{{{n}}}", engine.result(rid).output_text)
     assert all(engine.result(i).finish_reason is FinishReason.LENGTH for i in free)
+
+
+def test_masks_filled_beside_the_forward_equal_masks_filled_inline(model, tokenizer):
+    assert not new_engine(model, tokenizer).sampler.grammar_masks.overlap, "CPU: inline"
+    outputs = []
+    for overlap in (True, False):
+        engine = new_engine(model, tokenizer)
+        engine.sampler.grammar_masks.overlap = overlap
+        ids = [
+            engine.submit(p, max_new_tokens=40, json_schema=SCHEMAS["array_of_objects"], seed=i, **SAMPLED)
+            for i, p in enumerate(PROMPTS)
+        ]
+        ids += [engine.submit(p, max_new_tokens=20, seed=i, **SAMPLED) for i, p in enumerate(PROMPTS)]
+        run_to_completion(engine)
+        outputs.append([engine.result(i).output_token_ids for i in ids])
+        assert (engine.sampler.grammar_masks._pool is not None) == overlap
+        assert_pool_free(engine)
+    assert outputs[0] == outputs[1]

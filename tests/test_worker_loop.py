@@ -186,12 +186,11 @@ def test_a_constraint_is_compiled_beside_the_step_loop(tmp_path, monkeypatch):
     """A constraint whose compile takes long does not stall the loop: a free request and one
     whose constraint was compiled lately run to their end meanwhile; a cancel that comes first
     ends it once compiled; a long text prompt is encoded first, then its constraint compiled;
-    the warm-up builds the library's tables before any constrained request."""
+    the tables the worker builds before Ready are built before any constrained request."""
     from checkpoints import make_text_checkpoint
     from qil_worker import Qwen3
     from qil_worker.service import prompt_encoder
     from qil_worker.text import load_tokenizer
-    from service_fixtures import wait_until
 
     monkeypatch.setattr(prompt_encoder, "INLINE_CHARS", 5)  # "hello there" counts as long
     model_dir = make_text_checkpoint(tmp_path / "text")
@@ -207,9 +206,9 @@ def test_a_constraint_is_compiled_beside_the_step_loop(tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine, "compile_constraint", slow_compile)
     front, back = multiprocessing.Pipe()
-    loop = threading.Thread(target=worker._serve, args=(back, engine, os.getppid(), True), daemon=True)
+    engine.grammars.warm()  # as the worker does before Ready
+    loop = threading.Thread(target=worker._serve, args=(back, engine, os.getppid()), daemon=True)
     loop.start()
-    wait_until(lambda: engine.grammars.warmed)  # the warm-up, before any constrained request
     seen: list = []
     front.send(P.Submit("choice", [1, 2], 8, [], {"choice": ["yes", "no"]}))
     _until_final(front, "choice", seen)

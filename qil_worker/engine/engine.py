@@ -145,6 +145,8 @@ class Engine:
             policy=schedule_policy,
         )
         self.sampler = Sampler()
+        # grammar masks filled beside the forward where the host is idle meanwhile
+        self.sampler.grammar_masks.overlap = model.device.type == "cuda"
         if isinstance(attention, AttentionBackend):
             self.attention, why_not = attention, None
         else:
@@ -358,18 +360,21 @@ class Engine:
             if chunk.request.metrics.first_scheduled_time is None:
                 chunk.request.metrics.first_scheduled_time = now
         try:
+            vocab = self.model.config.vocab_size
             if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
-                logits = self.decode_graphs.run(chunks)
                 computed = sampled_chunks = chunks
+                self.sampler.prepare([c.request for c in sampled_chunks], vocab)
+                logits = self.decode_graphs.run(chunks)
             else:
                 batch = build_step_batch(
                     chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
                 )
                 self.kv.check_reads(batch.attention)
+                computed, sampled_chunks = batch.chunks, batch.sampled
+                self.sampler.prepare([c.request for c in sampled_chunks], vocab)
                 logits = self.model(
                     batch.input_ids, batch.positions, batch.attention, self.kv, batch.logit_indices
                 )
-                computed, sampled_chunks = batch.chunks, batch.sampled
                 if batch.prompt_rows:  # the rows after the sampled ones score prompt tokens
                     prompt_logprobs.score(logits[len(sampled_chunks):], batch.prompt_rows)
                     logits = logits[: len(sampled_chunks)]

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 class FinishReason(str, enum.Enum):
     """Why a request ended. ``str`` values keep them readable in logs and JSON."""
 
-    STOP = "stop"  # an EOS id of the model or a stop id of the request was produced
+    # an EOS id of the model or a stop id of the request was produced, a stop string appeared,
+    # or a constrained output became complete (its grammar allows nothing more)
+    STOP = "stop"
     LENGTH = "length"  # max_new_tokens reached
     CANCELLED = "cancelled"
     ERROR = "error"
@@ -23,9 +25,11 @@ class Event:
     has ``finished=True``, a ``finish_reason`` and the request's ``result``; it carries the
     last token when the request ended by producing one, and ``token_id=None`` when it was
     cancelled or failed.
-    Log-probabilities are those of the distribution the token was drawn from: after logit_bias,
-    penalties and temperature, before top-k/top-p/min-p truncation. The request's first token
-    event carries ``prompt_logprobs`` when it asked for them (raw model, see ``prompt_logprobs``).
+    Log-probabilities are those of the distribution the token was drawn from: after a
+    constraint's mask (forbidden tokens have probability 0, so the allowed ones sum to 1),
+    logit_bias, penalties and temperature, before top-k/top-p/min-p truncation. The request's
+    first token event carries ``prompt_logprobs`` when it asked for them (raw model, see
+    ``prompt_logprobs``).
     """
 
     request_id: str
@@ -37,7 +41,9 @@ class Event:
     logprob: float | None = None  # of ``token_id``, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # the N most likely (id, logprob)
     text: str | None = None  # new text (whole characters) when the engine has a tokenizer
-    stop_reason: int | str | None = None  # on a STOP final event: the token id or stop string
+    # on a STOP final event: the token id or stop string; None when a constrained output ended
+    # because its structure was complete
+    stop_reason: int | str | None = None
     result: "Result | None" = None  # on a final event: the request as it ended
     # On the first token event of a request that asked: entry i scores prompt token i + 1
     prompt_logprobs: list[float] | None = None

@@ -40,6 +40,12 @@ class Sampler:
     def __init__(self) -> None:
         self.grammar_masks = GrammarMasks()
 
+    def prepare(self, requests: list[Request], vocab: int) -> None:
+        """Before the forward: start what needs only the tokens already accepted (the grammar
+        masks of constrained rows, filled beside the forward)."""
+        if any(r.grammar is not None for r in requests):
+            self.grammar_masks.prepare([r.grammar for r in requests], vocab)
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         """``logits`` [S, vocab] (row i belongs to ``requests[i]``) → one token per request.
 

@@ -85,9 +85,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-structured-warmup", action="store_true",
-        help="build the grammar library's token tables at the first constrained request (1-2 s "
-        "at a 151k vocabulary) instead of beside the first requests when the worker starts; "
-        "saves their memory (~176 MB at 151k) in a server that never sees one",
+        help="build the grammar library's token tables at the first constrained request instead "
+        "of while the worker starts (1-2 s at a 151k vocabulary, before it reports ready); saves "
+        "their memory (~110-180 MB at 151k) in a server that never sees one, but that first "
+        "request waits for them and other streams stall meanwhile (the build holds the GIL)",
     )
     p.add_argument(
         "--max-queued", type=non_negative_int, default=1024,

@@ -32,7 +32,6 @@ from qil_worker.structured.spec import CONSTRAINT_KINDS, ConstraintSpec
 
 log = logging.getLogger("qil.worker")
 
-_WARM_UP = object()  # the queue item that builds the library's tokenizer tables
 # Constraints compiled lately that are looked up in the loop; a quarter of the compiler's cache
 # (qil_worker.structured.compiler.CACHE_SIZE, which also keeps those that failed to compile).
 INLINE_RECENT = 64
@@ -60,12 +59,6 @@ class ConstraintCompiles:
     def takes(options: dict[str, Any]) -> bool:
         """Whether a submit asks for a constraint (``json_object`` False asks for none)."""
         return any(options.get(kind) not in (None, False) for kind in CONSTRAINT_KINDS)
-
-    def warm_up(self) -> None:
-        """Build the grammar library's tokenizer tables on the thread now, so that the first
-        constrained request does not wait for them (a constrained request that comes sooner
-        queues behind this); a server that cannot run constraints just logs why."""
-        self._put(_WARM_UP)
 
     def start(self, submit: Submit, cancelled: bool = False) -> None:
         """Begin compiling a ``Submit``'s constraint (``cancelled``: a cancel came already)."""
@@ -105,18 +98,9 @@ class ConstraintCompiles:
     def _run(self) -> None:
         """The compiling thread: one constraint at a time, in submission order, until ``close``."""
         while (item := self._queue.get()) is not None:
-            if item is _WARM_UP:
-                self._warm()
-                continue
             compiled, spec = item
             if compiled.set_running_or_notify_cancel():
                 self._compile(compiled, spec)
-
-    def _warm(self) -> None:
-        try:
-            self._engine.grammars.warm()
-        except Exception as exc:  # noqa: BLE001 - constrained requests will say why
-            log.warning("structured output unavailable: %s", exc)
 
     def cancel(self, rid: str) -> bool:
         """A cancel for a request still being compiled: it ends as soon as it is submitted."""

@@ -74,8 +74,7 @@ def worker_main(conn: Any, config: dict[str, Any]) -> None:
         sys.exit(3)
     try:
         conn.send(P.Ready(info))
-        warm = info.structured_output and config.get("structured_warmup", True)
-        code = _serve(conn, engine, parent_pid, warm_structured=warm)
+        code = _serve(conn, engine, parent_pid)
     except (EOFError, OSError):
         log.warning("front went away; worker exits")
         code = 0
@@ -129,6 +128,12 @@ def _load(config: dict[str, Any]):
     _warm_up(engine, cfg.vocab_size)
     _install_forward_fault(model, os.environ.get(FAULT_FORWARD_ENV))
     structured = _can_constrain(engine)  # imports the grammar library: before the heap freeze
+    if structured and config.get("structured_warmup", True):
+        # Before Ready, not on a thread beside the loop: building the library's tokenizer tables
+        # holds the GIL for much of its second or two, which would stall every stream that long.
+        t_warm = time.perf_counter()
+        engine.grammars.warm()
+        log.info("structured output: grammar tables built in %.2fs", time.perf_counter() - t_warm)
     frozen = freeze_startup_heap()
     stats = engine.stats()
     info = P.WorkerInfo(
@@ -365,11 +370,9 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
     )
 
 
-def _serve(conn: Any, engine: Any, parent_pid: int, warm_structured: bool = False) -> int:
+def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
     encoder = PromptEncoder(engine.tokenizer)
     compiles = ConstraintCompiles(engine)
-    if warm_structured:
-        compiles.warm_up()  # after Ready: the model serves while the tables are built
     try:
         return _loop(conn, engine, parent_pid, encoder, compiles)
     finally:

@@ -17,6 +17,7 @@ from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import ConstraintSpec
 
 INSTALL_HINT = "pip install 'qil[structured]'"
+GBNF_HINT = "grammar takes llguidance's Lark dialect; GBNF converts with llguidance.gbnf_to_lark"
 CACHE_SIZE = 256  # compiled constraints kept (least recently used dropped first)
 COMPILE_TIMEOUT_S = 2.0  # a compile taking longer is refused (the limits below bound its work)
 # JSON without free whitespace: a model cannot loop in spaces, and outputs are compact.
@@ -32,6 +33,24 @@ PARSER_LIMITS = dict(
     max_items_in_row=2_000,
     verbose_errors=False,  # messages go back to callers: no parser state dumps
 )
+
+
+# The library builds a grammar recursively: a few thousand mutually recursive Lark rules (legal
+# within MAX_CONSTRAINT_CHARS) overflow a default thread stack (8 MiB) and kill the process.
+# The compile thread gets this much instead; untouched stack costs only address space.
+COMPILE_STACK_BYTES = 256 << 20
+_stack_size_lock = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
+
+
+def _start_with_big_stack(target: Any) -> threading.Thread:
+    with _stack_size_lock:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=target, name="qil-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    return thread
 
 
 class CompileTimeout(InvalidRequestError):
@@ -107,7 +126,9 @@ class GrammarCompiler:
         return self._ll_tokenizer is not None
 
     def warm(self) -> None:
-        """Build llguidance's tokenizer info now (e.g. in a background thread at start)."""
+        """Build llguidance's tokenizer info now: at start, before the step loop serves. Part of
+        it (serialising the HF tokenizer to JSON) holds the GIL for a good part of the build, so
+        on a thread beside a running loop it would stall the loop about as long."""
         self._tokenizer_info()
 
     def compile(self, spec: ConstraintSpec) -> CompiledConstraint:
@@ -148,15 +169,16 @@ class GrammarCompiler:
             except Exception as exc:  # noqa: BLE001 - API misuse would surface as the message
                 outcome["error"] = f"{type(exc).__name__}: {exc}"
 
-        worker = threading.Thread(target=construct, name="qil-grammar-compile", daemon=True)
-        worker.start()
+        worker = _start_with_big_stack(construct)
         worker.join(self._timeout)
         if worker.is_alive():  # it runs to its limits in the background; the caller is answered
             return CompileTimeout(spec.kind, f"the constraint did not compile within {self._timeout:g} s")
         matcher = outcome.get("matcher")
         if matcher is None or matcher.is_error():
-            message = outcome.get("error") or matcher.get_error()
-            return InvalidRequestError(spec.kind, message.strip())
+            message = (outcome.get("error") or matcher.get_error()).strip()
+            if spec.kind == "grammar" and "::=" in spec.value:
+                message += f" ({GBNF_HINT})"
+            return InvalidRequestError(spec.kind, message)
         return CompiledConstraint(spec, matcher, self.vocab_size)
 
     def _tokenizer_info(self) -> Any:
