@@ -32,6 +32,13 @@ from qil_worker.service.front_request import FrontRequest, Retention
 from qil_worker.service.requests_in_flight import RequestsInFlight
 from qil_worker.service.supervisor import RestartPolicy, WorkerSupervisor
 from qil_worker.service.worker_process import WorkerState
+from qil_worker.freed_memory import OUTSIZED_CHARS, map_large_blocks, release_freed_memory
+from qil_worker.service.tokenizer_calls import prompt_chars
+from qil_worker.text.prompt import PromptRoom, PromptTooLong
+from qil_worker.text.tokenizer import min_tokens
+
+# the received message and its text outlive ``submit`` until the RPC handler ends: trim after
+TRIM_DELAY_S = 0.2
 
 log = logging.getLogger("qil.front")
 
@@ -122,6 +129,7 @@ class Front:
 
     async def start(self) -> None:
         """Start the first worker and wait until it is loaded and warm (or raise WorkerFailed)."""
+        map_large_blocks()  # a received prompt of megabytes is unmapped when freed
         await self.supervisor.start()
 
     # supervisor.WorkerEvents
@@ -204,6 +212,22 @@ class Front:
         """A live or retained request, for a subscriber."""
         return self.requests.find(rid)
 
+    def _refuse_text_too_long(self, options: dict[str, Any], max_new_tokens: int) -> None:
+        """Refuse, as the worker would, a text or chat prompt whose size alone shows that it
+        cannot fit (``text.tokenizer.min_tokens``): a prompt of megabytes is not shipped to
+        the worker (nor pickled) only to be refused there."""
+        info = self.info
+        text, messages = options.get("text"), options.get("messages")
+        texts = [text] if isinstance(text, str) else [m["content"] for m in messages or ()]
+        room = PromptRoom(info.max_position_embeddings, info.stats.pages_total, info.page_size)
+        limit = room.max_prompt(max_new_tokens)
+        if limit is None or not info.max_token_bytes:
+            return
+        bound = min_tokens(texts, info.max_token_bytes, info.normal_form)
+        if bound > limit:
+            too_long = room.refusal(PromptTooLong(bound, exact=False), max_new_tokens)
+            raise from_worker_rejection(*classify_engine_error(too_long))
+
     async def submit(
         self,
         request_id: str,
@@ -216,7 +240,25 @@ class Front:
 
         ``token_ids`` None: the prompt is ``options["text"]`` or ``options["messages"]``;
         ``options``: further ``Engine.submit`` keyword arguments (see ``requests.submit_args``).
+        After an outsized text prompt the process gives its freed memory back, once the call
+        that carried it is over (``freed_memory``).
         """
+        opts = options or {}
+        if prompt_chars(opts.get("text"), opts.get("messages")) < OUTSIZED_CHARS:
+            return await self._submit(request_id, token_ids, max_new_tokens, stop_token_ids, options)
+        try:
+            return await self._submit(request_id, token_ids, max_new_tokens, stop_token_ids, options)
+        finally:
+            asyncio.get_running_loop().call_later(TRIM_DELAY_S, release_freed_memory)
+
+    async def _submit(
+        self,
+        request_id: str,
+        token_ids: Iterable[int] | None,
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+        options: dict[str, Any] | None = None,
+    ) -> FrontRequest:
         if len(request_id) > limits.MAX_REQUEST_ID_LENGTH:
             raise invalid(
                 "request_id", f"at most {limits.MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}"
@@ -237,6 +279,8 @@ class Front:
             # refused here as the engine would: millions of ids cost the worker seconds to receive
             too_long = CapacityError.positions(len(tokens), max_new_tokens, max_positions)
             raise from_worker_rejection(*classify_engine_error(too_long))
+        if tokens is None and self.info is not None:
+            self._refuse_text_too_long(options or {}, int(max_new_tokens))
         req, acked = self.requests.add(rid, len(tokens or ()), int((options or {}).get("n") or 1))
         self.supervisor.send(
             P.Submit(rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(options or {}))

@@ -32,7 +32,8 @@ from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
 from qil_worker.service.constraint_compiles import ConstraintCompiles
 from qil_worker.service.heap import freeze_startup_heap
-from qil_worker.service.prompt_encoder import PromptEncoder
+from qil_worker.freed_memory import release_freed_memory
+from qil_worker.service.prompt_encoder import PromptEncoder, PromptRoom
 from qil_worker.service.tokenizer_calls import detokenize, tokenize
 
 log = logging.getLogger("qil.worker")
@@ -97,6 +98,7 @@ def _load(config: dict[str, Any]):
     from qil_worker.engine import Engine
     from qil_worker.engine.memory import size_pool
     from qil_worker.model import Qwen3
+    from qil_worker.text.tokenizer import EncodingTraits, encoding_traits
 
     configure_process(config.get("device", "cpu"))  # before the model: the first oneDNN call fixes them
     if config.get("threads"):
@@ -131,6 +133,7 @@ def _load(config: dict[str, Any]):
     structured = _can_constrain(engine)  # imports the grammar library: before the heap freeze
     frozen = freeze_startup_heap()
     stats = engine.stats()
+    traits = encoding_traits(tokenizer) if tokenizer is not None else EncodingTraits()
     info = P.WorkerInfo(
         name="demo" if demo else str(model_dir),
         demo=demo,
@@ -158,6 +161,8 @@ def _load(config: dict[str, Any]):
         pid=os.getpid(),
         stats=pool_stats(engine),
         structured_output=structured,
+        max_token_bytes=traits.max_token_bytes,
+        normal_form=traits.normal_form,
     )
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
@@ -366,7 +371,8 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
 
 
 def _serve(conn: Any, engine: Any, parent_pid: int, warm_structured: bool = False) -> int:
-    encoder = PromptEncoder(engine.tokenizer)
+    room = PromptRoom(engine.model.config.max_position_embeddings, engine.pool.total, engine.page_size)
+    encoder = PromptEncoder(engine.tokenizer, room)
     compiles = ConstraintCompiles(engine)
     if warm_structured:
         compiles.warm_up()  # after Ready: the model serves while the tables are built
@@ -431,6 +437,8 @@ def _drain(conn: Any, engine: Any, encoder: PromptEncoder, compiles: ConstraintC
         submit_when_ready(*encoded)
     for compiled in compiles.finished():
         submit_now(*compiled)
+    if encoder.take_outsized():
+        release_freed_memory()  # its text and buffers are freed now: hand them back
     return acks
 
 
