@@ -34,7 +34,7 @@ from qil_worker.service.supervisor import RestartPolicy, WorkerSupervisor
 from qil_worker.service.worker_process import WorkerState
 from qil_worker.freed_memory import OUTSIZED_CHARS, map_large_blocks, release_freed_memory
 from qil_worker.service.tokenizer_calls import prompt_chars
-from qil_worker.text.prompt import PromptRoom, PromptTooLong
+from qil_worker.text.prompt import ROLES, PromptRoom, PromptTooLong
 from qil_worker.text.tokenizer import min_tokens
 
 # the received message and its text outlive ``submit`` until the RPC handler ends: trim after
@@ -218,6 +218,8 @@ class Front:
         the worker (nor pickled) only to be refused there."""
         info = self.info
         text, messages = options.get("text"), options.get("messages")
+        if messages and any(m.get("role") not in ROLES for m in messages):
+            return  # the worker names the malformed message first
         texts = [text] if isinstance(text, str) else [m["content"] for m in messages or ()]
         room = PromptRoom(info.max_position_embeddings, info.stats.pages_total, info.page_size)
         limit = room.max_prompt(max_new_tokens)
