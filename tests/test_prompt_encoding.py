@@ -89,3 +89,10 @@ def test_chat_messages_are_bounded_too(tokenizers):
     room = PromptRoom(max_positions=2048)
     with pytest.raises(CapacityError, match="at least"):
         encode_within(tokenizers[0], {"messages": [{"role": "user", "content": "hi " * 2**20}]}, 2, room)
+
+
+def test_an_empty_chat_is_blamed_on_messages():
+    from qil_client.results import submit_request
+
+    with pytest.raises(ValueError, match="^messages: "):
+        submit_request(messages=[])
