@@ -1,6 +1,12 @@
 """Prompts of megabytes that cannot fit, against a real server (front and worker processes): each
-is refused in well under a second, the worker's memory returns to its level before, and a
-stream running meanwhile keeps its pace."""
+is refused in well under a second, the front's and the worker's memory return to their level
+before, and a stream running meanwhile keeps its pace.
+
+The pace is asserted on the stream's median gap while the prompts arrive (at most twice its own
+median before): on this small shared machine single gaps of ~100 ms still occur while a 10 MiB
+message is received and parsed (docs/performance.md), so a bound on every gap would be flaky;
+today's main fails the median bound too (each prompt was tokenized for ~10 s beside the steps).
+"""
 
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ def test_huge_prompts_are_refused_fast_without_keeping_memory_or_stalling_stream
         client = Client(target)
         worker = client.info().worker.pid
         client.generate(text="hello world", max_new_tokens=8)
-        worker_before = rss(worker)
+        front_before, worker_before = rss(proc.pid), rss(worker)
         gaps: list[float] = []
         hostile_started = threading.Event()
         marks: list[int] = []
@@ -82,6 +88,15 @@ def test_huge_prompts_are_refused_fast_without_keeping_memory_or_stalling_stream
         assert statistics.median(during) <= 2 * statistics.median(quiet), (
             statistics.median(quiet), statistics.median(during))
         # the worker never held the prompts: its memory is where it was (main: +900 MB, kept)
-        wait_until(lambda: rss(worker) <= 1.1 * worker_before, timeout=30)
+        # the front let go of every message (main: +20 MB a prompt, kept); gRPC holds the last
+        # call's state until the next call arrives, so the check calls on meanwhile
+        def settled() -> bool:
+            client.info()
+            return rss(worker) <= 1.1 * worker_before and rss(proc.pid) <= 1.1 * front_before
+
+        try:
+            wait_until(settled, timeout=30, interval=0.2)
+        except AssertionError:
+            raise AssertionError(f"RSS front {front_before} -> {rss(proc.pid)}, worker {worker_before} -> {rss(worker)}")
     finally:
         stop_server_process(proc)

@@ -10,6 +10,7 @@ step, so ``stats`` is current without asking the worker.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -37,8 +38,17 @@ from qil_worker.service.tokenizer_calls import prompt_chars
 from qil_worker.text.prompt import ROLES, PromptRoom, PromptTooLong
 from qil_worker.text.tokenizer import min_tokens
 
-# the received message and its text outlive ``submit`` until the RPC handler ends: trim after
+# the received message outlives ``submit`` until the RPC handler ends: released after
 TRIM_DELAY_S = 0.2
+
+
+def _release_outsized() -> None:
+    """After an outsized prompt: collect the cycles that keep its message (a refused call's
+    exception and traceback, with the frames that hold the request, and gRPC's call state) —
+    the full collection is short after ``heap.freeze_startup_heap`` — and give the freed
+    memory back to the system."""
+    gc.collect()
+    release_freed_memory()
 
 log = logging.getLogger("qil.front")
 
@@ -74,6 +84,16 @@ class FrontConfig:
     # A streaming call (Generate, StreamEvents) whose reader leaves more than this many produced
     # tokens unwritten is ended with RESOURCE_EXHAUSTED and its requests are cancelled.
     max_stream_backlog: int = limits.MAX_STREAM_BACKLOG
+
+
+def _min_prompt_tokens(options: dict[str, Any], max_token_bytes: int, normal_form: str | None) -> int:
+    """``text.tokenizer.min_tokens`` of a text or chat prompt (0 for malformed messages: the
+    worker names the message at fault first)."""
+    text, messages = options.get("text"), options.get("messages")
+    if messages and any(m.get("role") not in ROLES for m in messages):
+        return 0
+    texts = [text] if isinstance(text, str) else [m["content"] for m in messages or ()]
+    return min_tokens(texts, max_token_bytes, normal_form)
 
 
 class Front:
@@ -217,16 +237,12 @@ class Front:
         cannot fit (``text.tokenizer.min_tokens``): a prompt of megabytes is not shipped to
         the worker (nor pickled) only to be refused there."""
         info = self.info
-        text, messages = options.get("text"), options.get("messages")
-        if messages and any(m.get("role") not in ROLES for m in messages):
-            return  # the worker names the malformed message first
-        texts = [text] if isinstance(text, str) else [m["content"] for m in messages or ()]
         room = PromptRoom(info.max_position_embeddings, info.stats.pages_total, info.page_size)
         limit = room.max_prompt(max_new_tokens)
         if limit is None or not info.max_token_bytes:
             return
-        bound = min_tokens(texts, info.max_token_bytes, info.normal_form)
-        if bound > limit:
+        bound = _min_prompt_tokens(options, info.max_token_bytes, info.normal_form)
+        if bound > limit:  # (raised from a frame that does not hold the text)
             too_long = room.refusal(PromptTooLong(bound, exact=False), max_new_tokens)
             raise from_worker_rejection(*classify_engine_error(too_long))
 
@@ -251,7 +267,10 @@ class Front:
         try:
             return await self._submit(request_id, token_ids, max_new_tokens, stop_token_ids, options)
         finally:
-            asyncio.get_running_loop().call_later(TRIM_DELAY_S, release_freed_memory)
+            # a refusal's traceback keeps these frames (and gRPC keeps the last call's): not the text
+            opts.pop("text", None)
+            opts.pop("messages", None)
+            asyncio.get_running_loop().call_later(TRIM_DELAY_S, _release_outsized)
 
     async def _submit(
         self,
