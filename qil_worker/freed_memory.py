@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import sys
 
 # A prompt (or tokenizer call) of at least this many characters is outsized: afterwards the
@@ -29,6 +30,14 @@ def libc():
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
+
+
+def release_outsized() -> bool:
+    """After an outsized request: collect the reference cycles that may still hold it (a refused
+    request's exception, whose traceback holds the frames that held the request; short after
+    ``heap.freeze_startup_heap``), then return the freed memory; whether glibc could."""
+    gc.collect()
+    return release_freed_memory()
 
 
 def release_freed_memory() -> bool:

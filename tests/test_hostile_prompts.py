@@ -2,10 +2,14 @@
 is refused in well under a second, the front's and the worker's memory return to their level
 before, and a stream running meanwhile keeps its pace.
 
-The pace is asserted on the stream's median gap while the prompts arrive (at most twice its own
-median before): on this small shared machine single gaps of ~100 ms still occur while a 10 MiB
-message is received and parsed (docs/performance.md), so a bound on every gap would be flaky;
-today's main fails the median bound too (each prompt was tokenized for ~10 s beside the steps).
+The pace: every gap within twice the stream's own median is what the issue asks; on this
+2-core machine, shared by the server, the stream's reader and the process sending 10 MiB
+messages, single gaps of 100-650 ms still occur while a message is serialized, received and
+parsed (docs/performance.md), on main as here, so a bound on every gap (or on the median of the
+~0.5 s the prompts take) would be flaky. The test bounds what the prompts cost the stream
+instead: its delay beyond twice its median gap, summed over the gaps while they arrive, per
+prompt — under 0.5 s here (typically 0.05-0.15 s), ~4 s on main, where each prompt was
+tokenized for ~20 s beside the steps.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import time
 from qil_client import Client
 from service_fixtures import serve_process, stop_server_process, wait_until
 
+# the stream's summed delay beyond twice its median gap, per prompt (see the module docstring)
+EXCESS_PER_PROMPT_S = 0.5
 HOSTILE = 6  # 10 MiB prompts, one after another, from another process (its own GIL and cores)
 HOSTILE_CLIENT = """
 import sys, time
@@ -80,14 +86,16 @@ def test_huge_prompts_are_refused_fast_without_keeping_memory_or_stalling_stream
         assert len(out) == HOSTILE
         for line in out:
             seconds, message = line.split(" ", 1)
-            assert "INVALID_ARGUMENT" in message and "max_new_tokens: prompt (at least" in message, message
-            assert float(seconds) < 1.0, line
+            assert float(seconds) < 1.0, line  # main: ~10 s of tokenizing each
+            assert message.startswith("INVALID_ARGUMENT: max_new_tokens: prompt (at least "), message
+            assert message.endswith("exceeds the model's 2048 positions"), message
         quiet, during = gaps[: marks[0]], gaps[marks[0]: marks[1]]
         assert during, "the stream made no progress while the prompts were refused"
-        # the stream's typical gap meanwhile, against its own before (today's main: 4x and more)
-        assert statistics.median(during) <= 2 * statistics.median(quiet), (
-            statistics.median(quiet), statistics.median(during))
-        # the worker never held the prompts: its memory is where it was (main: +900 MB, kept)
+        # the stream's delay beyond twice its own median gap, summed over the gaps while the
+        # prompts arrived, per prompt (main: ~4 s a prompt, each tokenized for ~20 s)
+        limit = 2 * statistics.median(quiet)
+        excess = sum(max(0.0, gap - limit) for gap in during) / HOSTILE
+        assert excess < EXCESS_PER_PROMPT_S, (excess, limit, max(during))
         # the front let go of every message (main: +20 MB a prompt, kept); gRPC holds the last
         # call's state until the next call arrives, so the check calls on meanwhile
         def settled() -> bool:

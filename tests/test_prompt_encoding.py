@@ -96,3 +96,23 @@ def test_an_empty_chat_is_blamed_on_messages():
 
     with pytest.raises(ValueError, match="^messages: "):
         submit_request(messages=[])
+
+
+def test_outsized_jobs_release_memory_once_all_are_done(tokenizers):
+    from qil_worker.freed_memory import OUTSIZED_CHARS, release_outsized
+    from qil_worker.service.protocol import Submit
+    from qil_worker.service.prompt_encoder import PromptEncoder
+
+    assert release_outsized()  # glibc: malloc_trim is there
+    enc = PromptEncoder(tokenizers[0], PromptRoom(max_positions=2048))
+    enc.start(Submit("big", None, 2, [], {"text": "x" * OUTSIZED_CHARS}))
+    enc.start(Submit("small", None, 2, [], {"text": "y" * 20000}))
+    assert not enc.take_outsized()  # (still encoding)
+    deadline = time.monotonic() + 30
+    done = []
+    while len(done) < 2 and time.monotonic() < deadline:
+        enc.wait(1.0)
+        done += enc.finished()
+    assert [type(error).__name__ for _, error, _ in done] == ["CapacityError", "CapacityError"]
+    assert enc.take_outsized() and not enc.take_outsized()
+    enc.close()

@@ -10,7 +10,6 @@ step, so ``stats`` is current without asking the worker.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -33,22 +32,23 @@ from qil_worker.service.front_request import FrontRequest, Retention
 from qil_worker.service.requests_in_flight import RequestsInFlight
 from qil_worker.service.supervisor import RestartPolicy, WorkerSupervisor
 from qil_worker.service.worker_process import WorkerState
-from qil_worker.freed_memory import OUTSIZED_CHARS, map_large_blocks, release_freed_memory
+from qil_worker.freed_memory import OUTSIZED_CHARS, map_large_blocks, release_outsized
 from qil_worker.service.tokenizer_calls import prompt_chars
 from qil_worker.text.prompt import ROLES, PromptRoom, PromptTooLong
 from qil_worker.text.tokenizer import min_tokens
 
-# the received message outlives ``submit`` until the RPC handler ends: released after
-TRIM_DELAY_S = 0.2
+# When to release after an outsized request: its message outlives ``submit`` until the RPC
+# handler ends, and gRPC's server loop keeps the last call's state (for a refused call, with the
+# exception whose traceback holds the request) until the next call arrives: again later for that.
+RELEASE_AFTER_S = (0.2, 2.0, 10.0)
 
 
-def _release_outsized() -> None:
-    """After an outsized prompt: collect the cycles that keep its message (a refused call's
-    exception and traceback, with the frames that hold the request, and gRPC's call state) —
-    the full collection is short after ``heap.freeze_startup_heap`` — and give the freed
-    memory back to the system."""
-    gc.collect()
-    release_freed_memory()
+def _release_outsized_later() -> None:
+    """After an outsized request (``freed_memory.OUTSIZED_CHARS``), once its call is over."""
+    loop = asyncio.get_running_loop()
+    for delay in RELEASE_AFTER_S:
+        loop.call_later(delay, release_outsized)
+
 
 log = logging.getLogger("qil.front")
 
@@ -270,7 +270,7 @@ class Front:
             # a refusal's traceback keeps these frames (and gRPC keeps the last call's): not the text
             opts.pop("text", None)
             opts.pop("messages", None)
-            asyncio.get_running_loop().call_later(TRIM_DELAY_S, _release_outsized)
+            _release_outsized_later()
 
     async def _submit(
         self,
@@ -362,13 +362,21 @@ class Front:
         self, text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None
     ) -> list[int]:
         """The ids of a prompt as a submit of it would get them (both None: no tokens)."""
-        answer = await self._tokenizer_call(lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking))
+        try:
+            answer = await self._tokenizer_call(lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking))
+        finally:
+            if prompt_chars(text, messages) >= OUTSIZED_CHARS:
+                _release_outsized_later()
         return answer.token_ids
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
-        answer = await self._tokenizer_call(
-            lambda call_id: P.Detokenize(call_id, token_ids, skip_special_tokens)
-        )
+        try:
+            answer = await self._tokenizer_call(
+                lambda call_id: P.Detokenize(call_id, token_ids, skip_special_tokens)
+            )
+        finally:
+            if len(token_ids) >= OUTSIZED_CHARS:
+                _release_outsized_later()
         return answer.text
 
     async def _tokenizer_call(self, make: Callable[[int], P.Tokenize | P.Detokenize]) -> Any:

@@ -32,7 +32,7 @@ from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
 from qil_worker.service.constraint_compiles import ConstraintCompiles
 from qil_worker.service.heap import freeze_startup_heap
-from qil_worker.freed_memory import release_freed_memory
+from qil_worker.freed_memory import release_outsized
 from qil_worker.service.prompt_encoder import PromptEncoder, PromptRoom
 from qil_worker.service.tokenizer_calls import detokenize, tokenize
 
@@ -131,9 +131,9 @@ def _load(config: dict[str, Any]):
     _warm_up(engine, cfg.vocab_size)
     _install_forward_fault(model, os.environ.get(FAULT_FORWARD_ENV))
     structured = _can_constrain(engine)  # imports the grammar library: before the heap freeze
+    traits = encoding_traits(tokenizer) if tokenizer is not None else EncodingTraits()
     frozen = freeze_startup_heap()
     stats = engine.stats()
-    traits = encoding_traits(tokenizer) if tokenizer is not None else EncodingTraits()
     info = P.WorkerInfo(
         name="demo" if demo else str(model_dir),
         demo=demo,
@@ -438,7 +438,7 @@ def _drain(conn: Any, engine: Any, encoder: PromptEncoder, compiles: ConstraintC
     for compiled in compiles.finished():
         submit_now(*compiled)
     if encoder.take_outsized():
-        release_freed_memory()  # its text and buffers are freed now: hand them back
+        release_outsized()  # its text and buffers are freed now: hand them back
     return acks
 
 
