@@ -259,7 +259,8 @@ class Front:
         ``token_ids`` None: the prompt is ``options["text"]`` or ``options["messages"]``;
         ``options``: further ``Engine.submit`` keyword arguments (see ``requests.submit_args``).
         After an outsized text prompt the process gives its freed memory back, once the call
-        that carried it is over (``freed_memory``).
+        that carried it is over (``freed_memory``); its text or messages are then dropped from
+        ``options``.
         """
         opts = options or {}
         if prompt_chars(opts.get("text"), opts.get("messages")) < OUTSIZED_CHARS:

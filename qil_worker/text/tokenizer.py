@@ -74,7 +74,7 @@ def min_tokens(texts: Sequence[str], max_token_bytes: int, normal_form: str | No
     if max_token_bytes <= 0:
         return 0
     size = sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
-    if normal_form is not None and not all(unicodedata.is_normalized(normal_form, t) for t in texts):
+    if normal_form is not None and not all(t.isascii() or unicodedata.is_normalized(normal_form, t) for t in texts):
         size = -(-size // NORMALIZER_SHRINK[normal_form])
     return -(-size // max_token_bytes)
 
