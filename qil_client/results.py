@@ -303,7 +303,10 @@ def submit_request(
         with _naming("text"):
             req.text = text
     if messages is not None:
-        req.messages.extend(_messages(messages))
+        chat = _messages(messages)
+        if not chat:  # proto3 sends no messages as no prompt: the server would blame token_ids
+            raise ValueError("messages: must hold at least one message")
+        req.messages.extend(chat)
     if logit_bias:
         with _naming("logit_bias"):
             if not isinstance(logit_bias, Mapping):

@@ -12,7 +12,8 @@ plain ``torch.empty``.
 MLP activations). glibc serves large ones with fresh mappings and returns freed memory to the
 system, so every step pays page faults again, which can cost more than the step's compute.
 ``keep_freed_memory`` tells glibc to serve them from its heap and keep what is freed: the process
-holds its peak working set instead of faulting it in every step.
+holds its peak working set instead of faulting it in every step. After an outsized request (a
+prompt of megabytes) the worker gives what it freed back (``freed_memory.release_freed_memory``).
 
 **Bounded kernel caches.** oneDNN (the packed linears, bf16 matmuls) compiles a kernel for every
 new input shape and keeps it in an LRU cache, and torch's ideep layer keeps another; each holds
@@ -25,29 +26,19 @@ grows by about a GB before those caches fill — indistinguishable from a leak.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import math
 import os
-import sys
 
 import torch
+
+from qil_worker.freed_memory import libc as _libc
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit; larger blocks are always mapped
 _TOP_PAD = 64 << 20
-
-
-@functools.lru_cache(maxsize=1)
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 @functools.lru_cache(maxsize=1)

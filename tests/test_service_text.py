@@ -255,6 +255,15 @@ def test_chat_messages_over_unary_and_session(client, reference):
 NAN, INF = float("nan"), float("inf")
 
 
+def test_an_empty_chat_is_refused_naming_messages(client):
+    """proto3 cannot send an empty message list (the server would see no prompt and blame
+    token_ids): the client refuses it, naming messages."""
+    for call in (client.submit, client.generate):
+        with pytest.raises(ValueError, match="^messages: must hold at least one message"):
+            call(text=None, messages=[])
+    assert client.info().num_unfinished == 0
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
@@ -280,7 +289,6 @@ NAN, INF = float("nan"), float("inf")
         (dict(stop_strings=["x" * 257]), "stop_strings"),
         (dict(stop_strings=["a"] * 17), "stop_strings"),
         (dict(text=None, messages=[{"role": "robot", "content": "hi"}]), "messages[0]"),
-        (dict(text=None, messages=[]), "token_ids"),  # no prompt at all
         (dict(token_ids=[1, 2]), "text"),  # two prompts
         (dict(messages=[("user", "hi")]), "messages"),
         # tokenized on the worker's encoding thread (long), then refused as any other

@@ -32,6 +32,23 @@ from qil_worker.service.front_request import FrontRequest, Retention
 from qil_worker.service.requests_in_flight import RequestsInFlight
 from qil_worker.service.supervisor import RestartPolicy, WorkerSupervisor
 from qil_worker.service.worker_process import WorkerState
+from qil_worker.freed_memory import OUTSIZED_CHARS, map_large_blocks, release_outsized
+from qil_worker.service.tokenizer_calls import prompt_chars
+from qil_worker.text.prompt import ROLES, PromptRoom, PromptTooLong
+from qil_worker.text.tokenizer import min_tokens
+
+# When to release after an outsized request: its message outlives ``submit`` until the RPC
+# handler ends, and gRPC's server loop keeps the last call's state (for a refused call, with the
+# exception whose traceback holds the request) until the next call arrives: again later for that.
+RELEASE_AFTER_S = (0.2, 2.0, 10.0)
+
+
+def _release_outsized_later() -> None:
+    """After an outsized request (``freed_memory.OUTSIZED_CHARS``), once its call is over."""
+    loop = asyncio.get_running_loop()
+    for delay in RELEASE_AFTER_S:
+        loop.call_later(delay, release_outsized)
+
 
 log = logging.getLogger("qil.front")
 
@@ -67,6 +84,16 @@ class FrontConfig:
     # A streaming call (Generate, StreamEvents) whose reader leaves more than this many produced
     # tokens unwritten is ended with RESOURCE_EXHAUSTED and its requests are cancelled.
     max_stream_backlog: int = limits.MAX_STREAM_BACKLOG
+
+
+def _min_prompt_tokens(options: dict[str, Any], max_token_bytes: int, normal_form: str | None) -> int:
+    """``text.tokenizer.min_tokens`` of a text or chat prompt (0 for malformed messages: the
+    worker names the message at fault first)."""
+    text, messages = options.get("text"), options.get("messages")
+    if messages and any(m.get("role") not in ROLES for m in messages):
+        return 0
+    texts = [text] if isinstance(text, str) else [m["content"] for m in messages or ()]
+    return min_tokens(texts, max_token_bytes, normal_form)
 
 
 class Front:
@@ -122,6 +149,7 @@ class Front:
 
     async def start(self) -> None:
         """Start the first worker and wait until it is loaded and warm (or raise WorkerFailed)."""
+        map_large_blocks()  # a received prompt of megabytes is unmapped when freed
         await self.supervisor.start()
 
     # supervisor.WorkerEvents
@@ -204,6 +232,20 @@ class Front:
         """A live or retained request, for a subscriber."""
         return self.requests.find(rid)
 
+    def _refuse_text_too_long(self, options: dict[str, Any], max_new_tokens: int) -> None:
+        """Refuse, as the worker would, a text or chat prompt whose size alone shows that it
+        cannot fit (``text.tokenizer.min_tokens``): a prompt of megabytes is not shipped to
+        the worker (nor pickled) only to be refused there."""
+        info = self.info
+        room = PromptRoom(info.max_position_embeddings, info.stats.pages_total, info.page_size)
+        limit = room.max_prompt(max_new_tokens)
+        if limit is None or not info.max_token_bytes:
+            return
+        bound = _min_prompt_tokens(options, info.max_token_bytes, info.normal_form)
+        if bound > limit:  # (raised from a frame that does not hold the text)
+            too_long = room.refusal(PromptTooLong(bound, exact=False), max_new_tokens)
+            raise from_worker_rejection(*classify_engine_error(too_long))
+
     async def submit(
         self,
         request_id: str,
@@ -216,7 +258,29 @@ class Front:
 
         ``token_ids`` None: the prompt is ``options["text"]`` or ``options["messages"]``;
         ``options``: further ``Engine.submit`` keyword arguments (see ``requests.submit_args``).
+        After an outsized text prompt the process gives its freed memory back, once the call
+        that carried it is over (``freed_memory``); its text or messages are then dropped from
+        ``options``.
         """
+        opts = options or {}
+        if prompt_chars(opts.get("text"), opts.get("messages")) < OUTSIZED_CHARS:
+            return await self._submit(request_id, token_ids, max_new_tokens, stop_token_ids, options)
+        try:
+            return await self._submit(request_id, token_ids, max_new_tokens, stop_token_ids, options)
+        finally:
+            # a refusal's traceback keeps these frames (and gRPC keeps the last call's): not the text
+            opts.pop("text", None)
+            opts.pop("messages", None)
+            _release_outsized_later()
+
+    async def _submit(
+        self,
+        request_id: str,
+        token_ids: Iterable[int] | None,
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+        options: dict[str, Any] | None = None,
+    ) -> FrontRequest:
         if len(request_id) > limits.MAX_REQUEST_ID_LENGTH:
             raise invalid(
                 "request_id", f"at most {limits.MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}"
@@ -237,6 +301,8 @@ class Front:
             # refused here as the engine would: millions of ids cost the worker seconds to receive
             too_long = CapacityError.positions(len(tokens), max_new_tokens, max_positions)
             raise from_worker_rejection(*classify_engine_error(too_long))
+        if tokens is None and self.info is not None:
+            self._refuse_text_too_long(options or {}, int(max_new_tokens))
         req, acked = self.requests.add(rid, len(tokens or ()), int((options or {}).get("n") or 1))
         self.supervisor.send(
             P.Submit(rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(options or {}))
@@ -297,13 +363,21 @@ class Front:
         self, text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None
     ) -> list[int]:
         """The ids of a prompt as a submit of it would get them (both None: no tokens)."""
-        answer = await self._tokenizer_call(lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking))
+        try:
+            answer = await self._tokenizer_call(lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking))
+        finally:
+            if prompt_chars(text, messages) >= OUTSIZED_CHARS:
+                _release_outsized_later()
         return answer.token_ids
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
-        answer = await self._tokenizer_call(
-            lambda call_id: P.Detokenize(call_id, token_ids, skip_special_tokens)
-        )
+        try:
+            answer = await self._tokenizer_call(
+                lambda call_id: P.Detokenize(call_id, token_ids, skip_special_tokens)
+            )
+        finally:
+            if len(token_ids) >= OUTSIZED_CHARS:
+                _release_outsized_later()
         return answer.text
 
     async def _tokenizer_call(self, make: Callable[[int], P.Tokenize | P.Detokenize]) -> Any:

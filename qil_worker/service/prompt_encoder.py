@@ -14,6 +14,10 @@ The same thread answers long tokenizer calls (``Tokenize`` / ``Detokenize``, see
 loop waits on one set of futures. A call's answer needs no cancel: the front drops it when its
 caller is gone.
 
+A prompt that cannot fit (the model's positions or the whole KV pool, less ``max_new_tokens``)
+is refused as soon as that is certain (``prompt.encode_text``), not after encoding all of it; a
+Tokenize has no such limit and gets every id.
+
 The thread is a daemon: a worker told to stop exits at once instead of waiting for an encode
 nobody will use (a 16 MiB prompt takes many seconds). ``ThreadPoolExecutor``'s threads are
 joined when the process exits, so it is not used here.
@@ -28,9 +32,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from qil_worker.freed_memory import OUTSIZED_CHARS
 from qil_worker.service.protocol import Detokenize, Submit, Tokenize
 from qil_worker.service.tokenizer_calls import INLINE_IDS, prompt_chars
-from qil_worker.text.prompt import encode_prompt
+from qil_worker.text.prompt import PromptRoom, PromptTooLong, encode_prompt
 
 PROMPT_OPTIONS = ("text", "messages", "enable_thinking")  # consumed by encoding
 INLINE_CHARS = 16384  # prompts up to this long are tokenized in the step loop
@@ -43,13 +48,24 @@ class _Pending:
     cancelled: bool = field(default=False)
 
 
+def encode_within(tokenizer: Any, options: dict[str, Any], max_new_tokens: int, room: PromptRoom) -> list[int]:
+    """A submit's prompt as ids, refused (``CapacityError``) as soon as it cannot fit ``room``."""
+    try:
+        return encode_prompt(tokenizer, options.get("text"), options.get("messages"),
+                             options.get("enable_thinking"), room.max_prompt(max_new_tokens))
+    except PromptTooLong as too_long:
+        raise room.refusal(too_long, max_new_tokens) from None
+
+
 class PromptEncoder:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, room: PromptRoom | None = None) -> None:
         self._tokenizer = tokenizer
+        self._room = room or PromptRoom()
         self._queue: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None  # started on first use
         self._pending: dict[str, _Pending] = {}
         self._calls: list[Future] = []  # tokenizer calls under way, in arrival order
+        self._outsized = 0  # outsized jobs (``freed_memory.OUTSIZED_CHARS``) not yet all done
 
     def takes(self, options: dict[str, Any]) -> bool:
         """Whether a submit's prompt is text or messages longer than ``INLINE_CHARS`` that this
@@ -58,6 +74,14 @@ class PromptEncoder:
         if self._tokenizer is None:
             return False
         return prompt_chars(options.get("text"), options.get("messages")) > INLINE_CHARS
+
+    def take_outsized(self) -> bool:
+        """Whether outsized jobs ran since the last call and none is left: the moment to give
+        their memory back."""
+        if not self._outsized or self.busy:
+            return False
+        self._outsized = 0
+        return True
 
     def takes_call(self, call: Tokenize | Detokenize) -> bool:
         """Whether a tokenizer call is long enough for the thread (a text as ``takes``
@@ -70,15 +94,18 @@ class PromptEncoder:
 
     def start(self, submit: Submit) -> None:
         """Begin encoding the prompt of a ``Submit`` given as text or messages."""
-        options = submit.options
-        encoded = self._enqueue(encode_prompt, self._tokenizer, options.get("text"),
-                                options.get("messages"), options.get("enable_thinking"))
+        encoded = self._enqueue(encode_within, self._tokenizer, submit.options, submit.max_new_tokens, self._room)
         self._pending[submit.request_id] = _Pending(submit, encoded)
+        self._outsized += prompt_chars(submit.options.get("text"), submit.options.get("messages")) >= OUTSIZED_CHARS
 
     def start_call(self, answer: Callable[..., Any], *args: Any) -> None:
         """Run ``answer(*args)``, a tokenizer call's (``tokenizer_calls``; it never raises), on
         the thread; its result comes out of ``answers``."""
         self._calls.append(self._enqueue(answer, *args))
+        call = args[-1]
+        size = (prompt_chars(call.text, call.messages) if isinstance(call, Tokenize)
+                else len(call.token_ids) if isinstance(call, Detokenize) else 0)
+        self._outsized += size >= OUTSIZED_CHARS
 
     def _enqueue(self, fn: Callable[..., Any], *args: Any) -> Future:
         if self._thread is None:

@@ -162,6 +162,11 @@ class WorkerInfo:
     stats: PoolStats
     # constrained requests can run: the grammar library imports and there is a tokenizer
     structured_output: bool = False
+    # a lower bound on a text's token count (``text.tokenizer.min_tokens``), so that the front
+    # refuses a prompt that cannot fit before shipping it: the most bytes one token stands for
+    # (0: no bound) and the tokenizer's normalizer (None or "NFC")
+    max_token_bytes: int = 0
+    normal_form: str | None = None
 
 
 @message

@@ -36,9 +36,10 @@ class SubmitArgs:
 def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
     """Raise ``ServiceError`` (INVALID_ARGUMENT) for what only the wire form can get wrong."""
     options: dict[str, Any] = {}
+    text = request.text  # (each read of a string field makes a new str: one for a prompt of megabytes)
     given = [name for name, present in (
         ("token_ids", bool(request.token_ids)),
-        ("text", bool(request.text)),
+        ("text", bool(text)),
         ("messages", bool(request.messages)),
     ) if present]
     if len(given) > 1:
@@ -49,7 +50,7 @@ def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
     if given[0] == "token_ids":
         token_ids = list(request.token_ids)
     elif given[0] == "text":
-        options["text"] = request.text
+        options["text"] = text
     else:
         options["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
     stops = list(request.stop_strings)

@@ -32,7 +32,8 @@ from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
 from qil_worker.service.constraint_compiles import ConstraintCompiles
 from qil_worker.service.heap import freeze_startup_heap
-from qil_worker.service.prompt_encoder import PromptEncoder
+from qil_worker.freed_memory import release_outsized
+from qil_worker.service.prompt_encoder import PromptEncoder, PromptRoom
 from qil_worker.service.tokenizer_calls import detokenize, tokenize
 
 log = logging.getLogger("qil.worker")
@@ -96,6 +97,7 @@ def _load(config: dict[str, Any]):
     from qil_worker.engine import Engine
     from qil_worker.engine.memory import size_pool
     from qil_worker.model import Qwen3
+    from qil_worker.text.tokenizer import EncodingTraits, encoding_traits
 
     configure_process(config.get("device", "cpu"))  # before the model: the first oneDNN call fixes them
     if config.get("threads"):
@@ -134,6 +136,7 @@ def _load(config: dict[str, Any]):
         t_warm = time.perf_counter()
         engine.grammars.warm()
         log.info("structured output: grammar tables built in %.2fs", time.perf_counter() - t_warm)
+    traits = encoding_traits(tokenizer) if tokenizer is not None else EncodingTraits()
     frozen = freeze_startup_heap()
     stats = engine.stats()
     info = P.WorkerInfo(
@@ -163,6 +166,8 @@ def _load(config: dict[str, Any]):
         pid=os.getpid(),
         stats=pool_stats(engine),
         structured_output=structured,
+        max_token_bytes=traits.max_token_bytes,
+        normal_form=traits.normal_form,
     )
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
@@ -371,7 +376,8 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
 
 
 def _serve(conn: Any, engine: Any, parent_pid: int) -> int:
-    encoder = PromptEncoder(engine.tokenizer)
+    room = PromptRoom(engine.model.config.max_position_embeddings, engine.pool.total, engine.page_size)
+    encoder = PromptEncoder(engine.tokenizer, room)
     compiles = ConstraintCompiles(engine)
     try:
         return _loop(conn, engine, parent_pid, encoder, compiles)
@@ -434,6 +440,8 @@ def _drain(conn: Any, engine: Any, encoder: PromptEncoder, compiles: ConstraintC
         submit_when_ready(*encoded)
     for compiled in compiles.finished():
         submit_now(*compiled)
+    if encoder.take_outsized():
+        release_outsized()  # its text and buffers are freed now: hand them back
     return acks
 
 

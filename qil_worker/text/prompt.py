@@ -1,13 +1,121 @@
-"""Prompt text or chat messages → token ids, with the tokenizer's own chat template."""
+"""Prompt text or chat messages → token ids, with the tokenizer's own chat template.
+
+A prompt may be given a ``max_tokens``: one that cannot fit is then refused without encoding
+it all (``PromptTooLong``). First a lower bound from the text's size (``tokenizer.min_tokens``),
+then, where the tokenizer allows it (``EncodingTraits.splits_at_whitespace``), encoding in
+pieces of about ``PIECE_CHARS`` characters, counting as it goes: a text of megabytes costs a
+few pieces, not seconds and a tokenizer's worth of offsets and token strings for every id.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from qil_worker.errors import InvalidRequestError, TokenizerUnavailableError
+from qil_worker.errors import CapacityError, InvalidRequestError, TokenizerUnavailableError
+from qil_worker.text.tokenizer import encoding_traits, min_tokens
 
 ROLES = ("system", "user", "assistant", "tool")
+PIECE_CHARS = 1 << 15
+# Where a text may be cut without changing its ids (see tokenizer.SPLITTABLE_REGEXES): before
+# a space or after a newline, each between two non-space characters.
+_CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)")
+
+
+class PromptTooLong(Exception):
+    """The prompt has more than ``max_tokens`` tokens: at least ``at_least`` (a lower bound
+    when ``exact`` is False)."""
+
+    def __init__(self, at_least: int, exact: bool) -> None:
+        super().__init__(f"at least {at_least} tokens")
+        self.at_least = at_least
+        self.exact = exact
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """How long a prompt can be: the model's positions and the KV pool's pages (0: unknown)."""
+
+    max_positions: int = 0
+    num_pages: int = 0
+    page_size: int = 0
+
+    def max_prompt(self, max_new_tokens: int) -> int | None:
+        """The most prompt tokens a request with ``max_new_tokens`` can have (the engine's
+        ``validate_submit`` rules); None when unknown or when ``max_new_tokens`` is invalid
+        (the engine says why)."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            return None
+        room = []
+        if self.max_positions:
+            room.append(self.max_positions - max_new_tokens)
+        if self.num_pages and self.page_size:
+            room.append(self.num_pages * self.page_size + 1 - max_new_tokens)  # the last token needs no slot
+        return max(0, min(room)) if room else None
+
+    def refusal(self, too_long: PromptTooLong, max_new_tokens: int) -> CapacityError:
+        """The engine's refusal of a prompt known to have at least ``too_long.at_least`` tokens."""
+        n = too_long.at_least
+        prompt = f"{n}" if too_long.exact else f"at least {n} tokens"
+        total = n + max_new_tokens
+        if self.max_positions and total > self.max_positions:
+            if too_long.exact:
+                return CapacityError.positions(n, max_new_tokens, self.max_positions)
+            return CapacityError(
+                "max_new_tokens",
+                f"prompt ({prompt}) + max_new_tokens ({max_new_tokens}) = at least {total} exceeds "
+                f"the model's {self.max_positions} positions",
+            )
+        needed = -(-(total - 1) // self.page_size)  # kv.page_table.pages_for, torch-free
+        return CapacityError(
+            "max_new_tokens",
+            f"prompt ({prompt}) + max_new_tokens ({max_new_tokens}) needs {'' if too_long.exact else 'at least '}"
+            f"{needed} KV pages but the whole pool has {self.num_pages} (page size {self.page_size})",
+        )
+
+
+def piece_ends(text: str, size: int = PIECE_CHARS) -> Iterator[int]:
+    """The end offsets of consecutive pieces of ``text`` of about ``size`` characters, each cut
+    at a ``_CUT`` place (the last one before ``size``, else the next one after); a stretch
+    without one stays whole. The last end is ``len(text)``."""
+    start, n = 0, len(text)
+    while n - start > size:
+        cut = None
+        for m in _CUT.finditer(text, start + size // 2, start + size + 2):
+            cut = m.start()
+        if cut is None:
+            m = _CUT.search(text, start + size)
+            if m is None:
+                break
+            cut = m.start()
+        yield cut
+        start = cut
+    yield n
+
+
+def encode_text(tokenizer: Any, text: str, max_tokens: int | None = None) -> list[int]:
+    """``text``'s ids (no special tokens added); ``PromptTooLong`` as soon as more than
+    ``max_tokens`` (None: no limit) are certain."""
+    traits = encoding_traits(tokenizer)
+    if max_tokens is not None:
+        bound = min_tokens((text,), traits.max_token_bytes, traits.normal_form)
+        if bound > max_tokens:
+            raise PromptTooLong(bound, exact=False)
+    if len(text) <= PIECE_CHARS or not traits.splits_at_whitespace:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLong(len(ids), exact=True)
+        return ids
+    ids = []
+    start = 0
+    for end in piece_ends(text):
+        ids.extend(tokenizer.encode(text[start:end], add_special_tokens=False))
+        start = end
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLong(len(ids), exact=end == len(text))
+    return ids
 
 
 def encode_prompt(
@@ -15,10 +123,12 @@ def encode_prompt(
     text: str | None = None,
     messages: Sequence[dict[str, str]] | None = None,
     enable_thinking: bool | None = None,
+    max_tokens: int | None = None,
 ) -> list[int]:
     """Exactly one of ``text`` (encoded as is) or ``messages`` (rendered with the chat template).
 
-    ``enable_thinking`` is Qwen3's switch for its reasoning block; None leaves the template's default.
+    ``enable_thinking`` is Qwen3's switch for its reasoning block; None leaves the template's
+    default. ``max_tokens``: raise ``PromptTooLong`` for a longer prompt (see ``encode_text``).
     """
     if tokenizer is None:
         raise TokenizerUnavailableError(
@@ -30,7 +140,7 @@ def encode_prompt(
     if text is not None:
         if not isinstance(text, str) or not text:
             raise InvalidRequestError("text", "must be a non-empty string")
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(tokenizer, text, max_tokens)
     if not messages:
         raise InvalidRequestError("messages", "must hold at least one message")
     for i, m in enumerate(messages):
@@ -49,4 +159,4 @@ def encode_prompt(
         rendered = tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - templates refuse messages by raising (raise_exception)
         raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from None
-    return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return encode_text(tokenizer, rendered, max_tokens)
