@@ -263,15 +263,15 @@ class Front:
         ``options``.
         """
         opts = options or {}
-        if prompt_chars(opts.get("text"), opts.get("messages")) < OUTSIZED_CHARS:
-            return await self._submit(request_id, token_ids, max_new_tokens, stop_token_ids, options)
+        outsized = prompt_chars(opts.get("text"), opts.get("messages")) >= OUTSIZED_CHARS
         try:
             return await self._submit(request_id, token_ids, max_new_tokens, stop_token_ids, options)
         finally:
-            # a refusal's traceback keeps these frames (and gRPC keeps the last call's): not the text
-            opts.pop("text", None)
-            opts.pop("messages", None)
-            _release_outsized_later()
+            if outsized:
+                # a refusal's traceback keeps these frames (and gRPC keeps the last call's): not the text
+                opts.pop("text", None)
+                opts.pop("messages", None)
+                _release_outsized_later()
 
     async def _submit(
         self,
