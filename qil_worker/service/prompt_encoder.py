@@ -18,34 +18,23 @@ A prompt that cannot fit (the model's positions or the whole KV pool, less ``max
 is refused as soon as that is certain (``prompt.encode_text``), not after encoding all of it; a
 Tokenize has no such limit and gets every id.
 
-The thread is a daemon: a worker told to stop exits at once instead of waiting for an encode
-nobody will use (a 16 MiB prompt takes many seconds). ``ThreadPoolExecutor``'s threads are
-joined when the process exits, so it is not used here.
+The thread and the waiting submits are ``beside_loop``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from qil_worker.freed_memory import OUTSIZED_CHARS
+from qil_worker.service.beside_loop import SideThread, WaitingSubmits, wait_any
 from qil_worker.service.protocol import Detokenize, Submit, Tokenize
 from qil_worker.service.tokenizer_calls import INLINE_IDS, prompt_chars
 from qil_worker.text.prompt import PromptRoom, PromptTooLong, encode_prompt
 
 PROMPT_OPTIONS = ("text", "messages", "enable_thinking")  # consumed by encoding
 INLINE_CHARS = 16384  # prompts up to this long are tokenized in the step loop
-
-
-@dataclass
-class _Pending:
-    submit: Submit  # prompt still as text or messages
-    encoded: Future
-    cancelled: bool = field(default=False)
 
 
 def encode_within(tokenizer: Any, options: dict[str, Any], max_new_tokens: int, room: PromptRoom) -> list[int]:
@@ -61,9 +50,8 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any, room: PromptRoom | None = None) -> None:
         self._tokenizer = tokenizer
         self._room = room or PromptRoom()
-        self._queue: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None  # started on first use
-        self._pending: dict[str, _Pending] = {}
+        self._thread = SideThread("qil-tokenize")
+        self._waiting = WaitingSubmits()  # submits whose prompt is still text or messages
         self._calls: list[Future] = []  # tokenizer calls under way, in arrival order
         self._outsized = 0  # outsized jobs (``freed_memory.OUTSIZED_CHARS``) not yet all done
 
@@ -94,55 +82,30 @@ class PromptEncoder:
 
     def start(self, submit: Submit) -> None:
         """Begin encoding the prompt of a ``Submit`` given as text or messages."""
-        encoded = self._enqueue(encode_within, self._tokenizer, submit.options, submit.max_new_tokens, self._room)
-        self._pending[submit.request_id] = _Pending(submit, encoded)
+        encoded = self._thread.run(encode_within, self._tokenizer, submit.options, submit.max_new_tokens, self._room)
+        self._waiting.add(submit, encoded)
         self._outsized += prompt_chars(submit.options.get("text"), submit.options.get("messages")) >= OUTSIZED_CHARS
 
     def start_call(self, answer: Callable[..., Any], *args: Any) -> None:
         """Run ``answer(*args)``, a tokenizer call's (``tokenizer_calls``; it never raises), on
         the thread; its result comes out of ``answers``."""
-        self._calls.append(self._enqueue(answer, *args))
+        self._calls.append(self._thread.run(answer, *args))
         call = args[-1]
         size = (prompt_chars(call.text, call.messages) if isinstance(call, Tokenize)
                 else len(call.token_ids) if isinstance(call, Detokenize) else 0)
         self._outsized += size >= OUTSIZED_CHARS
 
-    def _enqueue(self, fn: Callable[..., Any], *args: Any) -> Future:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="qil-tokenize", daemon=True)
-            self._thread.start()
-        done: Future = Future()
-        self._queue.put((done, fn, args))
-        return done
-
-    def _run(self) -> None:
-        """The encoding thread: one job at a time, in submission order, until ``close``."""
-        while (item := self._queue.get()) is not None:
-            done, fn, args = item
-            if not done.set_running_or_notify_cancel():
-                continue
-            try:
-                done.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the loop with its submit
-                done.set_exception(exc)
-
     def cancel(self, rid: str) -> bool:
         """A cancel for a request still being encoded: it ends as soon as it is submitted."""
-        pending = self._pending.get(rid)
-        if pending is None:
-            return False
-        pending.cancelled = True
-        return True
+        return self._waiting.cancel(rid)
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending) or bool(self._calls)
+        return bool(self._waiting) or bool(self._calls)
 
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` for an encoding or a call to finish; whether one has."""
-        futures = [p.encoded for p in self._pending.values()] + self._calls
-        done, _ = wait(futures, timeout, FIRST_COMPLETED)
-        return bool(done)
+        return wait_any(self._waiting.futures() + self._calls, timeout)
 
     def answers(self) -> list[Any]:
         """The answers of the tokenizer calls done since the last call, in arrival order."""
@@ -156,23 +119,15 @@ class PromptEncoder:
         """``(submit, error, cancelled)`` for every prompt done since the last call, in
         submission order: the ``Submit`` with the prompt as token ids (the original when
         encoding raised ``error``), and whether a cancel came meanwhile."""
-        done = []
-        for rid, pending in list(self._pending.items()):
-            if not pending.encoded.done():
-                continue
-            del self._pending[rid]
-            error = pending.encoded.exception()
-            submit = pending.submit
-            if error is None:
-                rest = {k: v for k, v in submit.options.items() if k not in PROMPT_OPTIONS}
-                submit = dataclasses.replace(submit, token_ids=pending.encoded.result(), options=rest)
-            done.append((submit, error, pending.cancelled))
-        return done
+        def prepared(submit: Submit, token_ids: list[int]) -> Submit:
+            rest = {k: v for k, v in submit.options.items() if k not in PROMPT_OPTIONS}
+            return dataclasses.replace(submit, token_ids=token_ids, options=rest)
+
+        return self._waiting.finished(prepared)
 
     def close(self) -> None:
         """Drop what is still queued; an encode under way is abandoned with its daemon thread."""
-        for pending in self._pending.values():
-            pending.encoded.cancel()
+        self._waiting.drop()
         for call in self._calls:
             call.cancel()
-        self._queue.put(None)
+        self._thread.close()
