@@ -239,8 +239,8 @@ def use_fp8(
                 continue
             kernel = None
             if len(parts) == len(names) and all(targets[n].shape[0] % GROUP == 0 for n in names[:-1]):
-                weight = torch.cat([kept[n][0] for n in names]) if len(names) > 1 else kept[names[0]][0]
-                scale_inv = torch.cat([kept[n][1] for n in names]) if len(names) > 1 else kept[names[0]][1]
+                weight = _concat_rows([kept[n][0] for n in names])
+                scale_inv = torch.cat([kept[n][1] for n in names])
                 shape = tuple(weight.shape)
                 if shape not in chosen:
                     chosen[shape] = next(
@@ -261,6 +261,14 @@ def use_fp8(
     for n in list(kept):  # not part of any projection: cannot happen with qil's layers
         fp8.dequantize_into(targets[n], *kept.pop(n))
     return {"fp8": swapped, "dequantized": dequantized, "kernels": sorted(kernel_names)}
+
+
+def _concat_rows(weights: list[torch.Tensor]) -> torch.Tensor:
+    """FP8 weights stacked along their rows (as bytes: not every torch build concatenates
+    float8 tensors)."""
+    if len(weights) == 1:
+        return weights[0]
+    return torch.cat([w.view(torch.uint8) for w in weights]).view(FP8)
 
 
 def describe(model: nn.Module, summary: dict[str, Any] | None) -> str:
