@@ -486,6 +486,17 @@ def test_fp8_projections_close_to_the_dequantized_model(aligned_dir):
     )
 
 
+def test_engine_serves_fp8_projections_batched_as_one_by_one(aligned_dir):
+    """Activations are quantized per token, so a request's tokens do not depend on what else is
+    in the batch."""
+    model, _ = _load_kept(aligned_dir, [("emulated", fp8_linear.emulated_scaled_mm)])
+    prompts = [_prompt(n, 20 + n) for n in (1, 6, 17)]
+    batched = Engine(model, num_pages=64, page_size=8, debug=True).generate(prompts, max_new_tokens=8)
+    alone = [Engine(model, num_pages=64, page_size=8, debug=True).generate([p], max_new_tokens=8)[0] for p in prompts]
+    assert [r.output_token_ids for r in batched] == [r.output_token_ids for r in alone]
+    assert all(len(r.output_token_ids) == 8 for r in batched)
+
+
 def test_fused_parts_off_the_block_grid_are_dequantized(ragged_dir):
     """q/k/v of 200 + 100 + 100 rows and gate/up of 264 + 264: the second part's blocks would
     straddle the first's, so those projections are dequantized; o_proj and down_proj stay FP8."""

@@ -11,6 +11,7 @@ stay in a float dtype, and so do the modules ``modules_to_not_convert`` names.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -19,6 +20,7 @@ import torch
 
 from qil_worker.config import Fp8Quantization
 
+FP8 = torch.float8_e4m3fn
 FP8_STORED = "F8_E4M3"
 SCALE_SUFFIX = ".weight_scale_inv"
 SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -138,25 +140,38 @@ def read_scales(found: dict[str, TensorHeader], quantized: dict[str, tuple[int, 
     return scales
 
 
+@functools.cache
+def _fp8_values(device: torch.device) -> torch.Tensor:
+    """The float32 value of each of the 256 float8_e4m3fn bit patterns: looking values up is
+    several times faster on a CPU than torch's element-wise conversion, with the same results."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).to(device, torch.float32)
+
+
 def dequantize_into(
     out: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> torch.Tensor:
     """``out[...] = weight * scale_inv`` block by block (float32 product, then ``out``'s dtype:
-    transformers' ``Fp8Dequantize`` rounding), a few rows at a time so the float32 temporaries
-    stay small whatever the weight's size. ``out`` may be a view (a part of a fused projection).
-    """
+    transformers' ``Fp8Dequantize`` rounding), a few block rows at a time so the float32
+    temporaries stay small whatever the weight's size. ``out`` may be a view (a part of a fused
+    projection)."""
     rows, cols = weight.shape
     if scale_inv.shape != scale_grid((rows, cols), block):
         raise ValueError(f"scale grid {tuple(scale_inv.shape)} does not match weight {(rows, cols)}")
-    weight = weight.to(out.device)
+    values = _fp8_values(out.device)
+    codes = weight.to(out.device).view(torch.uint8)
     scale_inv = scale_inv.to(out.device, torch.float32)
+    full, ragged = divmod(cols, block[1])
     step = max(1, _CHUNK_ELEMENTS // max(cols * block[0], 1)) * block[0]
     for start in range(0, rows, step):
         stop = min(rows, start + step)
+        chunk = values.index_select(0, codes[start:stop].reshape(-1).int()).view(stop - start, cols)
         scales = scale_inv[start // block[0] : -(-stop // block[0])]
-        scales = scales.repeat_interleave(block[0], dim=0)[: stop - start]
-        scales = scales.repeat_interleave(block[1], dim=1)[:, :cols]
-        out[start:stop].copy_(weight[start:stop].to(torch.float32).mul_(scales))
+        scales = scales.repeat_interleave(block[0], dim=0)[: stop - start]  # [rows, column blocks]
+        # scales broadcast over each block's columns, never expanded to the weight's size
+        chunk[:, : full * block[1]].view(stop - start, full, block[1]).mul_(scales[:, :full, None])
+        if ragged:
+            chunk[:, full * block[1] :].mul_(scales[:, full:])
+        out[start:stop].copy_(chunk)
     return out
 
 
