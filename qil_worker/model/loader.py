@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -90,7 +91,7 @@ def read_headers(files: list[Path]) -> dict[str, TensorHeader]:
 
 def check_weights(
     targets: dict[str, torch.Tensor], found: dict[str, TensorHeader], tied: bool,
-    fp8_problems: list[str] = (),
+    fp8_problems: Sequence[str] = (),
 ) -> None:
     """Raise one ``WeightError`` listing every missing, unknown and mis-shaped tensor, and the
     FP8 layout's ``fp8_problems`` (``fp8.check_layout``, which owns every ``weight_scale_inv``)."""
