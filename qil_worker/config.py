@@ -8,6 +8,7 @@ with an error that names the field.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,68 @@ _REQUIRED_INT_FIELDS = (
     "intermediate_size",
     "vocab_size",
 )
+
+
+@dataclass(frozen=True)
+class Fp8Quantization:
+    """``quantization_config`` of an official FP8 checkpoint (transformers' fine-grained FP8):
+    the decoder's linear weights stored as ``float8_e4m3fn`` with one ``weight_scale_inv`` per
+    ``block_size`` block, activations quantized dynamically (per token) when computed in FP8."""
+
+    block_size: tuple[int, int] = (128, 128)
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+# What transformers' FineGrainedFP8Config assumes where the checkpoint is silent.
+_FP8_DEFAULTS = {"fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "float"}
+FP8_BLOCK_SIZE = (128, 128)
+
+
+def _quantization(raw: Any) -> Fp8Quantization | None:
+    """Validate ``quantization_config`` (None when absent): only the FP8 scheme Qwen publishes."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"quantization_config: expected an object, got {raw!r}")
+    method = raw.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(
+            f"quantization_config.quant_method: {method!r} is not supported; qil loads "
+            "'fp8' (block-wise float8_e4m3fn) checkpoints and unquantized ones"
+        )
+    for field, supported in _FP8_DEFAULTS.items():
+        value = raw.get(field, supported)
+        if value != supported:
+            raise ConfigError(
+                f"quantization_config.{field}: {value!r} is not supported (only {supported!r})"
+            )
+    block = raw.get("weight_block_size", list(FP8_BLOCK_SIZE))
+    if not isinstance(block, (list, tuple)) or tuple(block) != FP8_BLOCK_SIZE:
+        raise ConfigError(
+            f"quantization_config.weight_block_size: {block!r} is not supported (only "
+            f"{list(FP8_BLOCK_SIZE)}: one scale per 128x128 block)"
+        )
+    if raw.get("modules_to_convert"):  # FP8 embedding tables
+        raise ConfigError(
+            f"quantization_config.modules_to_convert: {raw['modules_to_convert']!r} is not "
+            "supported (only the decoder's linear layers may be FP8)"
+        )
+    skip = raw.get("modules_to_not_convert")
+    if skip is None:  # MiniMax's spelling, which transformers accepts too
+        skip = raw.get("ignored_layers")
+    skip = [] if skip is None else skip
+    if not isinstance(skip, list) or not all(isinstance(name, str) for name in skip):
+        raise ConfigError(
+            f"quantization_config.modules_to_not_convert: expected a list of module names, got {skip!r}"
+        )
+    for pattern in skip:  # transformers matches them as regular expressions too
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(
+                f"quantization_config.modules_to_not_convert: {pattern!r} is not a valid pattern ({exc})"
+            ) from None
+    return Fp8Quantization(block_size=FP8_BLOCK_SIZE, modules_to_not_convert=tuple(skip))
 
 
 # Where config.json is silent, transformers' Qwen3Config defaults decide what the weights mean.
@@ -48,6 +111,7 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    quantization: Fp8Quantization | None = None
 
     @property
     def num_query_groups(self) -> int:
@@ -99,6 +163,7 @@ class Qwen3Config:
             max_position_embeddings=_positive_int(raw, "max_position_embeddings", 40960),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=_quantization(raw.get("quantization_config")),
         )
 
     @classmethod

@@ -98,3 +98,71 @@ def make_text_checkpoint(path: Path, seed: int = 5) -> Path:
     tokenizer = make_tokenizer(path)
     make_checkpoint(path, seed=seed, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     return Path(path)
+
+
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] → (float8_e4m3fn weight, float32 ``weight_scale_inv`` [ceil(out/128),
+    ceil(in/128)]) as transformers' ``Fp8Quantize`` computes them (scale = 448 / block amax, the
+    stored inverse its reciprocal), with ragged edge blocks where a dimension is not a multiple
+    of 128 (the grid transformers' ``FP8Linear`` allocates)."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    rows, cols = weight.shape
+    grid = (-(-rows // block), -(-cols // block))
+    padded = torch.zeros(grid[0] * block, grid[1] * block, dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(grid[0], block, grid[1], block)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scales = torch.where(amax > 0, fp8_max / torch.where(amax > 0, amax, 1.0), 1.0)
+    quantized = (tiles * scales[:, None, :, None]).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+    quantized = quantized.view(grid[0] * block, grid[1] * block)[:rows, :cols].contiguous()
+    return quantized, (1.0 / scales).to(torch.float32)
+
+
+def make_fp8_checkpoint(
+    path: Path, seed: int = 0, shards: int = 1, modules_to_not_convert: list[str] | None = None,
+    **overrides: Any,
+) -> Path:
+    """A random Qwen3 checkpoint in the layout of Qwen's official FP8 releases: the decoder's
+    linear weights float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block,
+    everything else (embedding, norms, LM head) bfloat16, and config.json's
+    ``quantization_config``. Modules matching ``modules_to_not_convert`` (a suffix, as in
+    transformers) stay bfloat16. ``shards`` > 1 spreads the tensors over several files with an
+    index, a weight and its scale in different files."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    make_checkpoint(path, seed=seed, **overrides)
+    path = Path(path)
+    skip = modules_to_not_convert or []
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if module.split(".")[-1] in FP8_LINEARS and not any(module.endswith(s) for s in skip):
+            tensors[name], tensors[module + ".weight_scale_inv"] = quantize_fp8_blocks(tensor)
+        else:
+            tensors[name] = tensor.to(torch.bfloat16)
+    (path / "model.safetensors").unlink()
+    if shards == 1:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    else:
+        files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+        weight_map = {name: files[i % shards] for i, name in enumerate(sorted(tensors))}
+        for file in files:
+            part = {n: t for n, t in tensors.items() if weight_map[n] == file}
+            save_file(part, path / file, metadata={"format": "pt"})
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
+    config = json.loads((path / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        **({"modules_to_not_convert": skip} if skip else {}),
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -3,18 +3,26 @@
 All problems are collected first (from the shards' headers, without reading tensor data) and
 raised as one ``WeightError``. Tensors are then read one at a time, shard by shard, and copied
 (with dtype conversion) straight into the model's parameters, so at most one tensor exists twice.
+
+FP8 checkpoints (``quantization_config``, see ``fp8.py``) are checked the same way — each
+quantized weight F8_E4M3 with a scale grid of its shape, no scale or FP8 tensor elsewhere — and
+their weights dequantized into the parameters as they are read (block rows at a time), unless the
+caller keeps them in FP8 (``keep_fp8``: the CUDA scaled-mm path, ``fp8_linear.py``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from qil_worker.errors import WeightError
+from qil_worker.model import fp8
+from qil_worker.model.fp8 import TensorHeader
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +75,26 @@ def stored_dtype(directory: Path) -> str | None:
     return None
 
 
-def read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Tensor name → (file, shape) from the shards' headers; a name in two shards is an error."""
-    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+def read_headers(files: list[Path]) -> dict[str, TensorHeader]:
+    """Tensor name → (file, shape, dtype) from the shards' headers; a name in two shards is an
+    error."""
+    found: dict[str, TensorHeader] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name in found:
                     raise WeightError(f"{name}: present in both {found[name][0].name} and {path.name}")
-                found[name] = (path, tuple(f.get_slice(name).get_shape()))
+                info = f.get_slice(name)
+                found[name] = TensorHeader(path, tuple(info.get_shape()), info.get_dtype())
     return found
 
 
 def check_weights(
-    targets: dict[str, torch.Tensor], found: dict[str, tuple[Path, tuple[int, ...]]], tied: bool
+    targets: dict[str, torch.Tensor], found: dict[str, TensorHeader], tied: bool,
+    fp8_problems: Sequence[str] = (),
 ) -> None:
-    """Raise one ``WeightError`` listing every missing, unknown and mis-shaped tensor."""
+    """Raise one ``WeightError`` listing every missing, unknown and mis-shaped tensor, and the
+    FP8 layout's ``fp8_problems`` (``fp8.check_layout``, which owns every ``weight_scale_inv``)."""
     problems: list[str] = []
     for name, target in targets.items():
         if name not in found:
@@ -92,8 +104,9 @@ def check_weights(
                 f"mis-shaped: {name} expected {tuple(target.shape)}, got {found[name][1]}"
             )
     for name in sorted(found):
-        if name not in targets and not (tied and name == TIED_HEAD):
+        if name not in targets and not (tied and name == TIED_HEAD) and not name.endswith(fp8.SCALE_SUFFIX):
             problems.append(f"unknown: {name} (shape {found[name][1]})")
+    problems.extend(fp8_problems)
     if problems:
         unknown = [name for name in found if name not in targets]
         if unknown and all(f"model.{name}" in targets for name in unknown):
@@ -108,20 +121,39 @@ def check_weights(
         )
 
 
-def load_weights(model: torch.nn.Module, directory: Path) -> None:
-    """Fill ``model``'s parameters from ``directory`` (see module docstring)."""
+def load_weights(
+    model: torch.nn.Module, directory: Path,
+    keep_fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> None:
+    """Fill ``model``'s parameters from ``directory`` (see module docstring).
+
+    ``keep_fp8``: a dict that receives each FP8 weight as (float8_e4m3fn weight, float32 scale
+    grid) on the model's device, by checkpoint name, instead of its dequantization; those
+    weights' parameters are left unwritten for the caller (``fp8_linear.use_fp8``)."""
     targets = model.weight_targets()
     files = shard_files(directory)
     found = read_headers(files)
-    check_weights(targets, found, tied=model.config.tie_word_embeddings)
+    quantization = model.config.quantization
+    quantized = fp8.quantized_weights(targets, quantization)
+    block = quantization.block_size if quantization is not None else (0, 0)
+    check_weights(targets, found, tied=model.config.tie_word_embeddings,
+                  fp8_problems=fp8.check_layout(quantized, found, block))
+    scales = fp8.read_scales(found, quantized)
     with torch.no_grad():
         for i, path in enumerate(files, 1):
             log.info("loading weights: shard %d/%d (%s)", i, len(files), path.name)
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     target = targets.get(name)
-                    if target is not None:  # a tied checkpoint's own lm_head copy is ignored
+                    if target is None:  # a scale, or a tied checkpoint's own lm_head copy
+                        continue
+                    if name not in quantized:
                         target.copy_(f.get_tensor(name))
+                    elif keep_fp8 is not None:
+                        scale = scales[fp8.scale_name(name)]
+                        keep_fp8[name] = (f.get_tensor(name).to(target.device), scale.to(target.device))
+                    else:
+                        fp8.dequantize_into(target, f.get_tensor(name), scales[fp8.scale_name(name)], block)
     if model.config.tie_word_embeddings and TIED_HEAD in found:
         check_tied_copy(found)
 
@@ -129,7 +161,7 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def check_tied_copy(found: dict[str, tuple[Path, tuple[int, ...]]]) -> None:
+def check_tied_copy(found: dict[str, TensorHeader]) -> None:
     """A tied checkpoint may carry its LM head too, but only as a copy of the embedding:
     transformers would use a different one untied, so ignoring it would change every logit."""
     def read(name: str) -> torch.Tensor:

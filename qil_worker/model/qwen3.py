@@ -19,6 +19,7 @@ from torch import nn
 from qil_worker import cpu_memory
 from qil_worker.attention.backend import StepAttention
 from qil_worker.config import Qwen3Config
+from qil_worker.errors import ConfigError
 from qil_worker.kv.cache import KVCache
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
 from qil_worker.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rope
@@ -159,15 +160,22 @@ class Qwen3(nn.Module):
         dtype: torch.dtype | str | None = None,
         pack_weights: bool = True,
         fused_projections: bool | None = None,
+        fp8: str = "auto",
     ) -> "Qwen3":
         """Load a Hugging Face Qwen3 directory strictly (see ``loader.load_weights``).
 
         ``device`` defaults to CPU; ``dtype`` to bfloat16 on CUDA and float32 elsewhere
         (``"auto"`` takes the checkpoint's own dtype). ``pack_weights``: on CPU, pack the
         weights for oneDNN after loading (``pack_weights()``); False keeps the plain parameters.
-        ``fused_projections``: see ``Qwen3``.
+        ``fused_projections``: see ``Qwen3``. ``fp8`` (FP8 checkpoints only): ``"auto"`` keeps
+        the FP8 weights and runs block-scaled FP8 matmuls where the device runs them right
+        (``fp8_linear.py``), else dequantizes to ``dtype`` at load; ``"dequantize"`` always does.
         """
+        from qil_worker.model import fp8_linear
         from qil_worker.model.loader import load_weights, stored_dtype
+
+        if fp8 not in ("auto", "dequantize"):
+            raise ConfigError(f"fp8: expected 'auto' or 'dequantize', got {fp8!r}")
 
         config = Qwen3Config.from_directory(path)
         device = resolve_device(device)
@@ -178,9 +186,14 @@ class Qwen3(nn.Module):
             config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
             fused_projections=fused_projections,
         )
-        load_weights(model, Path(path))
+        kernels = fp8_linear.cuda_kernels(device) if config.quantization and fp8 == "auto" else []
+        kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {} if kernels else None
+        load_weights(model, Path(path), keep_fp8=kept)
+        summary = fp8_linear.use_fp8(model, kept, kernels) if kept is not None else None
         if pack_weights:
             model.pack_weights()
+        if config.quantization is not None:
+            log.info("%s", fp8_linear.describe(model, summary))
         return model.eval()
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
