@@ -306,3 +306,23 @@ def test_min_tokens_of_sizes_bounds_min_tokens(texts, normal_form):
     if normal_form is None or all(t.isascii() for t in texts):
         assert of_sizes == min_tokens(texts, 3, normal_form)
     assert min_tokens_of_sizes(sizes, 0, normal_form) == 0
+
+
+def test_slices_count_and_check_across_their_borders():
+    n = 3 * W.SLICE + 5
+    ids = bytes([0x81, 0x01]) * (n // 2)  # 2-byte varints straddling every border
+    data = delimited(2, ids)
+    (f,) = W.fields(data)
+    assert W.packed_varints(data, f) == len(pb.SubmitRequest.FromString(data).token_ids) == n // 2
+    assert W.count_varints(data, f.value_start, f.end) == n // 2
+    for at in (W.SLICE - 4, W.SLICE - 1, 2 * W.SLICE + 3):  # an overlong varint across a border
+        bad = bytearray(b"\x01" * n)
+        bad[at:at + 10] = b"\xff" * 10
+        data = delimited(2, bytes(bad))
+        assert W.packed_varints(data, W.fields(data)[0]) is None and not parses(data)
+    text = bytearray(b"a" * n)
+    assert W.is_ascii(bytes(text), 0, n)
+    for at in (0, W.SLICE - 1, W.SLICE, n - 1):
+        text[at] = 0xC3
+        assert not W.is_ascii(bytes(text), 0, n) and W.is_ascii(bytes(text), at + 1, n)
+        text[at] = 0x61

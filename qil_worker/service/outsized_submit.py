@@ -122,8 +122,7 @@ def _scan(data: bytes, start: int, end: int, frame: bool) -> OutsizedSubmit | No
     prompt_fields = [f for f in found if f.number in (TOKEN_IDS, TEXT, MESSAGES)]
     if sum(f.end - f.start for f in prompt_fields) < OUTSIZED_CHARS:
         return None
-    all_ascii = data.isascii()  # (no copy; a slice's check would copy it)
-    prompt = _prompt_size(data, prompt_fields, all_ascii, W.MAX_FIELDS - len(found))
+    prompt = _prompt_size(data, prompt_fields, W.MAX_FIELDS - len(found))
     if prompt is None:
         return None
     try:
@@ -133,7 +132,7 @@ def _scan(data: bytes, start: int, end: int, frame: bool) -> OutsizedSubmit | No
     return OutsizedSubmit(rest, prompt, data, frame)
 
 
-def _prompt_size(data: bytes, prompt_fields: list[W.Field], all_ascii: bool, budget: int) -> PromptSize | None:
+def _prompt_size(data: bytes, prompt_fields: list[W.Field], budget: int) -> PromptSize | None:
     num_ids, text, roles_known = 0, TextSize(0, True), True
     contents: list[TextSize] | None = None
     for f in prompt_fields:
@@ -145,7 +144,7 @@ def _prompt_size(data: bytes, prompt_fields: list[W.Field], all_ascii: bool, bud
                 return None
             num_ids += packed
         elif f.number == TEXT and f.wire_type == W.LENGTH_DELIMITED:
-            text = _text_size(data, f, all_ascii)
+            text = _text_size(data, f)
         elif f.number == MESSAGES and f.wire_type == W.LENGTH_DELIMITED:
             inner = W.fields(data, f.value_start, f.end, max_fields=budget)
             if inner is None:
@@ -158,7 +157,7 @@ def _prompt_size(data: bytes, prompt_fields: list[W.Field], all_ascii: bool, bud
                 if g.number == ROLE:
                     role = data[g.value_start:g.end] if g.size <= 16 else b"?"
                 elif g.number == CONTENT:
-                    content = _text_size(data, g, all_ascii)
+                    content = _text_size(data, g)
             roles_known = roles_known and role in _ROLES
             contents = [] if contents is None else contents
             contents.append(content)
@@ -167,5 +166,5 @@ def _prompt_size(data: bytes, prompt_fields: list[W.Field], all_ascii: bool, bud
     return PromptSize(num_ids, text, None if contents is None else tuple(contents), roles_known)
 
 
-def _text_size(data: bytes, f: W.Field, all_ascii: bool) -> TextSize:
-    return TextSize(f.size, all_ascii or data[f.value_start:f.end].isascii())
+def _text_size(data: bytes, f: W.Field) -> TextSize:
+    return TextSize(f.size, W.is_ascii(data, f.value_start, f.end))

@@ -120,20 +120,41 @@ def fields(
     return found
 
 
+# Payloads are checked a slice at a time: a slice of megabytes would be a fresh mapping (the
+# front maps large blocks on their own, ``freed_memory.map_large_blocks``), page-faulted in
+# for one look; slices of this size come from the heap, the same memory each time.
+SLICE = 64 << 10
+
+
 def count_varints(data: bytes, start: int, end: int) -> int:
     """How many varints end in ``data[start:end]`` (its bytes below 0x80), counted in C."""
-    return (end - start) - len(data[start:end].translate(None, bytes(range(0x80))))
+    count = 0
+    for i in range(start, end, SLICE):
+        count += data[i:min(i + SLICE, end)].translate(_CONTINUES).count(0)
+    return count
 
 
 def packed_varints(data: bytes, field: Field) -> int | None:
     """The number of values in a packed repeated varint field, or None when its payload is not
     a sequence of whole varints of at most 10 bytes (the parser refuses it)."""
-    if field.size == 0:
+    start, end = field.value_start, field.end
+    if start == end:
         return 0
-    mask = data[field.value_start:field.end].translate(_CONTINUES)
-    if mask[-1] or _OVERLONG in mask:
+    if data[end - 1] >= 0x80:
         return None
-    return mask.count(0)
+    count = 0
+    for i in range(start, end, SLICE):
+        # (9 bytes more: an overlong varint across the slices' border)
+        mask = data[i:min(i + SLICE + 9, end)].translate(_CONTINUES)
+        if _OVERLONG in mask:
+            return None
+        count += mask.count(0, 0, SLICE)
+    return count
+
+
+def is_ascii(data: bytes, start: int, end: int) -> bool:
+    """Whether ``data[start:end]`` is ASCII."""
+    return all(data[i:min(i + SLICE, end)].isascii() for i in range(start, end, SLICE))
 
 
 def without(data: bytes, dropped: Sequence[Field], start: int = 0, end: int | None = None) -> bytes:
