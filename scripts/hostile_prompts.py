@@ -45,7 +45,8 @@ else:
     prompt = dict(text="word " * (size // 5)) if size else dict(text="hello world")
 c = Client(target)
 if http != "-":
-    body = json.dumps({"model": "demo", "max_tokens": 2,
+    model = json.load(urllib.request.urlopen(http + "/v1/models"))["data"][0]["id"]
+    body = json.dumps({"model": model, "max_tokens": 2,
                        "prompt": prompt.get("text", prompt.get("token_ids"))}).encode()
 for _ in range(count):
     t0 = time.monotonic()
