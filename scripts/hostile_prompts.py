@@ -100,7 +100,12 @@ def main() -> None:
     ap.add_argument("--kind", choices=("text", "token_ids"), default="text", help="prompt form (default text)")
     ap.add_argument("--rounds", type=int, default=1, help="control-then-attack rounds (default 1)")
     ap.add_argument("--http", action="store_true", help="send to the HTTP API instead of gRPC (default: gRPC)")
+    ap.add_argument("--deserialize", action="store_true",
+                    help="only time, in this process, what the front's event loop spends on one such message "
+                         "(parsed whole and its prompt read, against the wire scan; no server)")
     args = ap.parse_args()
+    if args.deserialize:
+        return deserialize(args.mib, args.kind)
     proc, target, _ = serve_process(*(["--http-port", "0"] if args.http else []))
     try:
         http = "-"
@@ -153,6 +158,37 @@ def main() -> None:
             print(describe(name, gaps, limit, n) if len(gaps) > 1 else f"{name}: no gaps")
     finally:
         stop_server_process(proc)
+
+
+def deserialize(mib: int, kind: str, repeats: int = 20) -> None:
+    """The two ways the front can take an outsized submit, alternated: parsed whole and its
+    prompt read as ``requests.submit_args`` reads it (the str of its text, the list of its
+    ids), or scanned (``outsized_submit.submit_request``) and bounded from its size."""
+    from qil_client._proto.qil.v1 import inference_pb2 as pb
+    from qil_worker.freed_memory import map_large_blocks
+    from qil_worker.service.outsized_submit import submit_request
+
+    map_large_blocks()  # as in the front: each received message is a fresh mapping
+    prompt = dict(token_ids=[7] * (mib * 2**20)) if kind == "token_ids" else dict(text="word " * (mib * 2**20 // 5))
+    wire = pb.SubmitRequest(max_new_tokens=2, **prompt).SerializeToString()
+    whole, scanned = [], []
+    for _ in range(repeats):
+        data = bytes(bytearray(wire))  # (a fresh copy, as gRPC hands each message over)
+        t0 = time.perf_counter()
+        request = pb.SubmitRequest.FromString(data)
+        size = len(request.text) if kind == "text" else len(list(request.token_ids))
+        whole.append(time.perf_counter() - t0)
+        del request, data
+        data = bytes(bytearray(wire))
+        t0 = time.perf_counter()
+        got = submit_request(data)
+        size2 = got.prompt.min_tokens(1, None) if kind == "text" else got.prompt.num_token_ids
+        scanned.append(time.perf_counter() - t0)
+        assert size == size2, (size, size2)
+        del got, data
+    print(f"{kind} prompt of {mib} MiB, {repeats} times each, alternated; load: {os.getloadavg()}")
+    for name, times in (("parsed whole, prompt read", whole), ("wire scan, size only", scanned)):
+        print(f"{name:26s}: median {statistics.median(times) * 1e3:7.2f} ms, min {min(times) * 1e3:7.2f} ms")
 
 
 if __name__ == "__main__":
