@@ -241,16 +241,16 @@ class Front:
             too_long = CapacityError.positions(num_ids, max_new_tokens, max_positions)
             raise from_worker_rejection(*classify_engine_error(too_long))
 
-    def _refuse_text_too_long(self, min_tokens: Callable[[int, str | None], int], max_new_tokens: int) -> None:
+    def _refuse_text_too_long(self, bound_of: Callable[[int, str | None], int], max_new_tokens: int) -> None:
         """Refuse, as the worker would, a text or chat prompt whose size alone shows that it
-        cannot fit (``min_tokens(max_token_bytes, normal_form)``, a bound on its tokens): a
+        cannot fit (``bound_of(max_token_bytes, normal_form)``, a bound on its tokens): a
         prompt of megabytes is not shipped to the worker (nor pickled) only to be refused there."""
         info = self.info
         room = PromptRoom(info.max_position_embeddings, info.stats.pages_total, info.page_size)
         limit = room.max_prompt(max_new_tokens)
         if limit is None or not info.max_token_bytes:
             return
-        bound = min_tokens(info.max_token_bytes, info.normal_form)
+        bound = bound_of(info.max_token_bytes, info.normal_form)
         if bound > limit:  # (raised from a frame that does not hold the text)
             too_long = room.refusal(PromptTooLong(bound, exact=False), max_new_tokens)
             raise from_worker_rejection(*classify_engine_error(too_long))
@@ -259,17 +259,12 @@ class Front:
         """For a request known, before its prompt is decoded, by its prompt's size
         (``outsized_submit``): raise what ``submit`` would raise for it before reaching the
         worker when that size alone refuses it; return when it does not (the caller then
-        parses the request whole and submits it). After a refusal the process gives back its
-        freed memory, as after any outsized request."""
-        try:
-            self._admit(request_id)
-            if prompt.given == ["token_ids"]:
-                self._refuse_too_many_ids(prompt.num_token_ids, int(max_new_tokens))
-            elif self.info is not None:
-                self._refuse_text_too_long(prompt.min_tokens, int(max_new_tokens))
-        except ServiceError:
-            release_outsized_later()
-            raise
+        parses the request whole and submits it)."""
+        self._admit(request_id)
+        if prompt.given == ["token_ids"]:
+            self._refuse_too_many_ids(prompt.num_token_ids, int(max_new_tokens))
+        elif self.info is not None:
+            self._refuse_text_too_long(prompt.min_tokens, int(max_new_tokens))
 
     async def submit(
         self,

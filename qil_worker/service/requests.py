@@ -56,13 +56,11 @@ def submit_args(request: pb.SubmitRequest, prompt: PromptSize | None = None) -> 
     if not given:
         raise invalid("token_ids", "the prompt is empty: give token_ids, text or messages")
     token_ids: list[int] | None = None
-    if prompt is not None:
-        pass
-    elif given[0] == "token_ids":
+    if prompt is None and given[0] == "token_ids":
         token_ids = list(request.token_ids)
-    elif given[0] == "text":
+    elif prompt is None and given[0] == "text":
         options["text"] = text
-    else:
+    elif prompt is None:
         options["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
     stops = list(request.stop_strings)
     if stops:
