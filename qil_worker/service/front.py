@@ -29,6 +29,7 @@ from qil_worker.service.errors import (
     unavailable,
 )
 from qil_worker.service.front_request import FrontRequest, Retention
+from qil_worker.service.outsized_submit import PromptSize
 from qil_worker.service.requests_in_flight import RequestsInFlight
 from qil_worker.service.supervisor import RestartPolicy, WorkerSupervisor
 from qil_worker.service.worker_process import WorkerState
@@ -43,7 +44,7 @@ from qil_worker.text.tokenizer import min_tokens
 RELEASE_AFTER_S = (0.2, 2.0, 10.0)
 
 
-def _release_outsized_later() -> None:
+def release_outsized_later() -> None:
     """After an outsized request (``freed_memory.OUTSIZED_CHARS``), once its call is over."""
     loop = asyncio.get_running_loop()
     for delay in RELEASE_AFTER_S:
@@ -232,19 +233,38 @@ class Front:
         """A live or retained request, for a subscriber."""
         return self.requests.find(rid)
 
-    def _refuse_text_too_long(self, options: dict[str, Any], max_new_tokens: int) -> None:
+    def _refuse_too_many_ids(self, num_ids: int, max_new_tokens: int) -> None:
+        """Refuse, as the engine would, more token ids than the model has positions for:
+        millions of ids cost the worker seconds to receive."""
+        max_positions = self.info.max_position_embeddings if self.info is not None else 0
+        if max_positions and num_ids + max_new_tokens > max_positions:
+            too_long = CapacityError.positions(num_ids, max_new_tokens, max_positions)
+            raise from_worker_rejection(*classify_engine_error(too_long))
+
+    def _refuse_text_too_long(self, bound_of: Callable[[int, str | None], int], max_new_tokens: int) -> None:
         """Refuse, as the worker would, a text or chat prompt whose size alone shows that it
-        cannot fit (``text.tokenizer.min_tokens``): a prompt of megabytes is not shipped to
-        the worker (nor pickled) only to be refused there."""
+        cannot fit (``bound_of(max_token_bytes, normal_form)``, a bound on its tokens): a
+        prompt of megabytes is not shipped to the worker (nor pickled) only to be refused there."""
         info = self.info
         room = PromptRoom(info.max_position_embeddings, info.stats.pages_total, info.page_size)
         limit = room.max_prompt(max_new_tokens)
         if limit is None or not info.max_token_bytes:
             return
-        bound = _min_prompt_tokens(options, info.max_token_bytes, info.normal_form)
+        bound = bound_of(info.max_token_bytes, info.normal_form)
         if bound > limit:  # (raised from a frame that does not hold the text)
             too_long = room.refusal(PromptTooLong(bound, exact=False), max_new_tokens)
             raise from_worker_rejection(*classify_engine_error(too_long))
+
+    def refuse_unfit(self, request_id: str, max_new_tokens: int, prompt: PromptSize) -> None:
+        """For a request known, before its prompt is decoded, by its prompt's size
+        (``outsized_submit``): raise what ``submit`` would raise for it before reaching the
+        worker when that size alone refuses it; return when it does not (the caller then
+        parses the request whole and submits it)."""
+        self._admit(request_id)
+        if prompt.given == ["token_ids"]:
+            self._refuse_too_many_ids(prompt.num_token_ids, int(max_new_tokens))
+        elif self.info is not None:
+            self._refuse_text_too_long(prompt.min_tokens, int(max_new_tokens))
 
     async def submit(
         self,
@@ -271,16 +291,10 @@ class Front:
                 # a refusal's traceback keeps these frames (and gRPC keeps the last call's): not the text
                 opts.pop("text", None)
                 opts.pop("messages", None)
-                _release_outsized_later()
+                release_outsized_later()
 
-    async def _submit(
-        self,
-        request_id: str,
-        token_ids: Iterable[int] | None,
-        max_new_tokens: int,
-        stop_token_ids: Iterable[int] = (),
-        options: dict[str, Any] | None = None,
-    ) -> FrontRequest:
+    def _admit(self, request_id: str) -> str:
+        """The checks of a submit that come before its prompt's; → the request's id."""
         if len(request_id) > limits.MAX_REQUEST_ID_LENGTH:
             raise invalid(
                 "request_id", f"at most {limits.MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}"
@@ -295,14 +309,26 @@ class Front:
             raise resource_exhausted(
                 f"{self.num_unfinished} unfinished requests; the server admits {self.max_unfinished}"
             )
+        return rid
+
+    async def _submit(
+        self,
+        request_id: str,
+        token_ids: Iterable[int] | None,
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+        options: dict[str, Any] | None = None,
+    ) -> FrontRequest:
+        rid = self._admit(request_id)
         tokens = None if token_ids is None else list(token_ids)
-        max_positions = self.info.max_position_embeddings if self.info is not None else 0
-        if tokens is not None and max_positions and len(tokens) + max_new_tokens > max_positions:
-            # refused here as the engine would: millions of ids cost the worker seconds to receive
-            too_long = CapacityError.positions(len(tokens), max_new_tokens, max_positions)
-            raise from_worker_rejection(*classify_engine_error(too_long))
-        if tokens is None and self.info is not None:
-            self._refuse_text_too_long(options or {}, int(max_new_tokens))
+        if tokens is not None:
+            self._refuse_too_many_ids(len(tokens), max_new_tokens)
+        elif self.info is not None:
+            opts = options or {}
+            self._refuse_text_too_long(
+                lambda max_token_bytes, normal_form: _min_prompt_tokens(opts, max_token_bytes, normal_form),
+                int(max_new_tokens),
+            )
         req, acked = self.requests.add(rid, len(tokens or ()), int((options or {}).get("n") or 1))
         self.supervisor.send(
             P.Submit(rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(options or {}))
@@ -367,7 +393,7 @@ class Front:
             answer = await self._tokenizer_call(lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking))
         finally:
             if prompt_chars(text, messages) >= OUTSIZED_CHARS:
-                _release_outsized_later()
+                release_outsized_later()
         return answer.token_ids
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
@@ -377,7 +403,7 @@ class Front:
             )
         finally:
             if len(token_ids) >= OUTSIZED_CHARS:
-                _release_outsized_later()
+                release_outsized_later()
         return answer.text
 
     async def _tokenizer_call(self, make: Callable[[int], P.Tokenize | P.Detokenize]) -> Any:

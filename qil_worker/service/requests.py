@@ -16,7 +16,9 @@ from qil_client.options import NAMES as OPTION_NAMES
 from qil_worker.engine.sampling_params import MAX_LOGIT_BIAS
 from qil_worker.errors import InvalidRequestError
 from qil_worker.service import limits
-from qil_worker.service.errors import invalid
+from qil_worker.service.errors import ServiceError, invalid
+from qil_worker.service.front import release_outsized_later
+from qil_worker.service.outsized_submit import OutsizedSubmit, PromptSize
 from qil_worker.structured.spec import ConstraintSpec  # torch- and llguidance-free
 
 if TYPE_CHECKING:
@@ -33,25 +35,32 @@ class SubmitArgs:
     options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Engine.submit
 
 
-def submit_args(request: pb.SubmitRequest) -> SubmitArgs:
-    """Raise ``ServiceError`` (INVALID_ARGUMENT) for what only the wire form can get wrong."""
+def submit_args(request: pb.SubmitRequest, prompt: PromptSize | None = None) -> SubmitArgs:
+    """Raise ``ServiceError`` (INVALID_ARGUMENT) for what only the wire form can get wrong.
+
+    ``prompt``: ``request`` is an outsized request without its prompt fields
+    (``OutsizedSubmit.rest``), which ``prompt`` stands for; the arguments then carry no prompt.
+    """
     options: dict[str, Any] = {}
-    text = request.text  # (each read of a string field makes a new str: one for a prompt of megabytes)
-    given = [name for name, present in (
-        ("token_ids", bool(request.token_ids)),
-        ("text", bool(text)),
-        ("messages", bool(request.messages)),
-    ) if present]
+    if prompt is not None:
+        given = prompt.given
+    else:
+        text = request.text  # (each read of a string field makes a new str: one for a prompt of megabytes)
+        given = [name for name, present in (
+            ("token_ids", bool(request.token_ids)),
+            ("text", bool(text)),
+            ("messages", bool(request.messages)),
+        ) if present]
     if len(given) > 1:
         raise invalid(given[1], f"give exactly one of token_ids, text or messages, not {' and '.join(given)}")
     if not given:
         raise invalid("token_ids", "the prompt is empty: give token_ids, text or messages")
     token_ids: list[int] | None = None
-    if given[0] == "token_ids":
+    if prompt is None and given[0] == "token_ids":
         token_ids = list(request.token_ids)
-    elif given[0] == "text":
+    elif prompt is None and given[0] == "text":
         options["text"] = text
-    else:
+    elif prompt is None:
         options["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
     stops = list(request.stop_strings)
     if stops:
@@ -92,6 +101,19 @@ def _constraint(request: pb.SubmitRequest) -> dict[str, Any]:
     except InvalidRequestError as exc:
         raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
     return {} if spec is None else {kind: value}
+
+
+def refuse_unfit(front: "Front", request: OutsizedSubmit) -> None:
+    """Raise what ``submit_to`` would raise for ``request`` before it reaches the worker, when
+    the rest of the request or the size of its prompt alone refuses it (its prompt undecoded);
+    return when they do not: parse it whole (``request.whole()``) and submit that."""
+    try:
+        args = submit_args(request.rest, request.prompt)
+        front.refuse_unfit(args.request_id, args.max_new_tokens, request.prompt)
+    except ServiceError:
+        request.drop()
+        release_outsized_later()
+        raise
 
 
 async def submit_to(front: "Front", request: pb.SubmitRequest) -> "FrontRequest":

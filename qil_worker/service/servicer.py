@@ -15,7 +15,9 @@ from qil_worker.service.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted, unavailable
 from qil_worker.service.front import Front
 from qil_worker.service.protocol import WorkerInfo
-from qil_worker.service.requests import submit_to
+from qil_worker.service.front_request import FrontRequest
+from qil_worker.service.outsized_submit import OutsizedSubmit, stream_events_request, submit_request
+from qil_worker.service.requests import refuse_unfit, submit_to
 from qil_worker.service.session import StreamSession
 from qil_worker.service.streams import (
     Subscription,
@@ -36,15 +38,31 @@ async def _reject_undecodable(request: object, context: grpc.aio.ServicerContext
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
+    # deserializers of outsized messages (``decoding.add_servicer``): a submit of megabytes
+    # that cannot fit is refused before its prompt is decoded
+    outsized_requests = {
+        pb.SubmitRequest.DESCRIPTOR.full_name: submit_request,
+        pb.StreamEventsRequest.DESCRIPTOR.full_name: stream_events_request,
+    }
+
     def __init__(self, front: Front) -> None:
         self.front = front
 
-    async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
+    async def _submit(self, request: pb.SubmitRequest | OutsizedSubmit | Undecodable, context) -> FrontRequest:
+        """Submit or Generate's request queued (or the call aborted with the reason)."""
         await _reject_undecodable(request, context)
         try:
-            req = await submit_to(self.front, request)
+            if isinstance(request, OutsizedSubmit):
+                refuse_unfit(self.front, request)
+                request = request.whole()
+                await _reject_undecodable(request, context)
+            return await submit_to(self.front, request)
         except ServiceError as err:
             await err.abort(context)
+            raise  # (abort raises)
+
+    async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
+        req = await self._submit(request, context)
         return pb.SubmitResponse(request_id=req.rid, num_prompt_tokens=req.prompt_len)
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
@@ -55,11 +73,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
 
     async def Generate(self, request: pb.SubmitRequest, context) -> AsyncIterator[pb.Event]:
-        await _reject_undecodable(request, context)
-        try:
-            req = await submit_to(self.front, request)
-        except ServiceError as err:
-            await err.abort(context)
+        req = await self._submit(request, context)
         bound = backlog_bound(self.front)
         news = asyncio.Event()
         writes = WriteClock()

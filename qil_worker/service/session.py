@@ -16,7 +16,8 @@ from qil_worker.service.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, not_found, unavailable
 from qil_worker.service.front import Front
 from qil_worker.service.front_request import FrontRequest
-from qil_worker.service.requests import submit_to
+from qil_worker.service.outsized_submit import OutsizedSubmit
+from qil_worker.service.requests import refuse_unfit, submit_to
 from qil_worker.service.streams import (
     Subscription,
     WriteClock,
@@ -88,8 +89,12 @@ class StreamSession:
                     self.fault = invalid("frame", frame.describe())
                     return
                 await self.slots.acquire()
-                kind = frame.WhichOneof("frame")
-                task = asyncio.ensure_future(self._answer(kind, frame))
+                if isinstance(frame, OutsizedSubmit):
+                    answer = self._answer_outsized(frame)
+                else:
+                    kind = frame.WhichOneof("frame")
+                    answer = self._answer(kind, None if kind is None else getattr(frame, kind))
+                task = asyncio.ensure_future(answer)
                 self.tasks.add(task)
                 task.add_done_callback(self._answered)
                 self.control.append(task)
@@ -105,11 +110,25 @@ class StreamSession:
         self.tasks.discard(task)
         self.wakeup.set()
 
-    async def _answer(self, kind: str | None, frame: pb.StreamEventsRequest):
-        """→ (response or None, action to run when the response is written, or None)."""
+    async def _answer_outsized(self, frame: OutsizedSubmit):
+        """``_answer`` of an outsized submit frame: refused from its prompt's size, or parsed
+        whole and submitted (``outsized_submit``)."""
+        try:
+            refuse_unfit(self.front, frame)
+        except ServiceError as err:
+            return self._error(frame.request_id, err), None
+        submit = frame.whole()
+        if isinstance(submit, Undecodable):  # as a frame that did not parse: the session ends
+            self.fault = invalid("frame", submit.describe())
+            return None, None
+        return await self._answer("submit", submit)
+
+    async def _answer(self, kind: str | None, message):
+        """``message``, the frame's ``kind`` → (response or None, action to run when the
+        response is written, or None)."""
         front = self.front
         if kind == "submit":
-            s = frame.submit
+            s = message
             try:
                 req = await submit_to(front, s)
             except ServiceError as err:
@@ -122,13 +141,13 @@ class StreamSession:
             )
             return resp, (lambda: self._add_sub(req, 0))
         if kind == "cancel":
-            results = await front.cancel(frame.cancel.request_ids)
+            results = await front.cancel(message.request_ids)
             resp = pb.CancelResponse(
                 results=[pb.CancelResult(request_id=r, was_active=a) for r, a in results]
             )
             return pb.StreamEventsResponse(cancelled=resp), None
         if kind == "subscribe":
-            sub = frame.subscribe
+            sub = message
             req = front.find(sub.request_id)
             if req is None:
                 return self._error(sub.request_id, not_found(sub.request_id)), None

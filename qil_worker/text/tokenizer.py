@@ -79,6 +79,18 @@ def min_tokens(texts: Sequence[str], max_token_bytes: int, normal_form: str | No
     return -(-size // max_token_bytes)
 
 
+def min_tokens_of_sizes(sizes: Sequence[tuple[int, bool]], max_token_bytes: int, normal_form: str | None = None) -> int:
+    """``min_tokens`` of texts known only by their UTF-8 sizes and whether each is ASCII (not
+    decoded): a text that is not ASCII counts as not in ``normal_form``, so the bound may be
+    below ``min_tokens``' but is a bound still."""
+    if max_token_bytes <= 0:
+        return 0
+    size = sum(n for n, _ in sizes)
+    if normal_form is not None and not all(ascii for _, ascii in sizes):
+        size = -(-size // NORMALIZER_SHRINK[normal_form])
+    return -(-size // max_token_bytes)
+
+
 _TRAITS: "weakref.WeakKeyDictionary[Any, EncodingTraits]" = weakref.WeakKeyDictionary()
 
 
