@@ -23,6 +23,8 @@ from qil_worker.kv.cache import KVCache
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
 from qil_worker.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rope
 from qil_worker.model.linear import Linear, pack_all, packing_supported
+from qil_worker.model.weight_quantization import projection_modules, quantize_projections, weight_summary
+from qil_worker.quantization import resolve_quantize
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +161,20 @@ class Qwen3(nn.Module):
         dtype: torch.dtype | str | None = None,
         pack_weights: bool = True,
         fused_projections: bool | None = None,
+        quantize: str | None = None,
     ) -> "Qwen3":
         """Load a Hugging Face Qwen3 directory strictly (see ``loader.load_weights``).
 
         ``device`` defaults to CPU; ``dtype`` to bfloat16 on CUDA and float32 elsewhere
         (``"auto"`` takes the checkpoint's own dtype). ``pack_weights``: on CPU, pack the
         weights for oneDNN after loading (``pack_weights()``); False keeps the plain parameters.
-        ``fused_projections``: see ``Qwen3``.
+        ``fused_projections``: see ``Qwen3``. ``quantize``: None (or "none") keeps the weights in
+        the compute dtype; "int8" quantizes them at load (``quantize_weights``), before packing.
         """
         from qil_worker.model.loader import load_weights, stored_dtype
 
         config = Qwen3Config.from_directory(path)
+        quantize = resolve_quantize(quantize)
         device = resolve_device(device)
         checkpoint_dtype = config.torch_dtype
         if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
@@ -179,6 +184,8 @@ class Qwen3(nn.Module):
             fused_projections=fused_projections,
         )
         load_weights(model, Path(path))
+        if quantize is not None:
+            model.quantize_weights(quantize)
         if pack_weights:
             model.pack_weights()
         return model.eval()
@@ -238,8 +245,24 @@ class Qwen3(nn.Module):
         if not packing_supported(self.device, self.dtype):
             return 0
         start = time.perf_counter()
-        packed = sum(layer.pack_weights() for layer in self.layers)
-        head = self.head.pack()
+        # only layers of plain ``Linear``s: quantized projections run on their own kernels
+        plain = [layer for layer in self.layers if all(type(m) is Linear for m in projection_modules(layer))]
+        packed = sum(layer.pack_weights() for layer in plain)
+        head = type(self.head) is Linear and self.head.pack()
         log.info("weights packed for oneDNN: %d/%d layers, LM head %s (%.1f s)",
                  packed, len(self.layers), "yes" if head else "no", time.perf_counter() - start)
         return packed
+
+    def quantize_weights(self, method: str = "int8", head: bool | None = None) -> int:
+        """Quantize every plain projection (and the LM head unless ``head`` is False) with
+        ``method`` (``QUANTIZE_CHOICES``; see ``weight_quantization.py``), in place of oneDNN
+        packing for them; → how many projections were quantized. One explicit step after
+        loading (``from_directory(quantize=...)`` takes it); the unquantized weights are freed
+        (a tied head's embedding table stays, for lookups)."""
+        return quantize_projections(self, method, head)
+
+    def weight_summary(self) -> tuple[str, int]:
+        """(the formats the weights run in, the bytes every weight holds: projections with their
+        scales, embedding, norms; a tensor shared by two places counted once)."""
+        return weight_summary(self)
+
