@@ -328,3 +328,46 @@ def test_generate_runs_with_int8(tiny_dir):
 
 def test_the_flag_offers_the_worker_choices():
     assert QUANTIZE_CHOICES == ("none", "int8")
+
+
+# ---------------------------------------------------------------------------------------------
+# the scripts that measure it (their --quick sizes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / name
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_decode_step_benchmark_compares_int8_with_the_model_as_loaded(tmp_path):
+    proc = _script("bench_decode_step.py", "--quick", "--batch", "1", "3", "--steps", "2", "--prompt-len", "5",
+                   "--dtype", "bfloat16", "--quantize", "int8", "--model-dir", str(tmp_path / "model"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(row[0]) for row in rows] == [1, 3]
+    assert "as-loaded ms" in proc.stdout and "int8 ms" in proc.stdout
+
+
+def test_accuracy_script_reports_both_variants(tmp_path):
+    proc = _script("int8_accuracy.py", "--quick", "--prompts", "2", "--prompt-len", "8", "--new-tokens", "4",
+                   "--threads", "1", "--model-dir", str(tmp_path / "model"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line[:28].strip(): line[28:].split() for line in proc.stdout.splitlines() if line.startswith("int8")
+            and "accuracy" not in line}
+    assert set(rows) == {"int8", "int8, LM head unquantized"}
+    for path, error, scale, agreement, *_ in rows.values():
+        assert path == "prefill" and 0 < float(error) < float(scale) and 0 <= float(agreement) <= 1
+
+
+def test_engine_benchmark_runs_qil_quantized(tmp_path):
+    report = tmp_path / "engine.json"
+    proc = _script("bench_engine.py", "--quick", "--dtype", "bfloat16", "--quantize", "int8", "--threads", "1",
+                   "--batch", "2", "--model-dir", str(tmp_path / "model"), "--json", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(report.read_text())
+    assert result["config"]["engine"]["quantize"] == "int8"
+    assert result["results"][0]["dtype"] == "bfloat16+int8"
+    assert result["results"][0]["single"]["qil"]["decode_tok_s"] > 0
