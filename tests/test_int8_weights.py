@@ -4,6 +4,7 @@ weight, a quantized model against its unquantized self, the engine, a real serve
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,8 @@ from qil_worker import Engine, Qwen3
 from qil_worker.engine.probe import ForwardProbe
 from qil_worker.errors import ConfigError
 from qil_worker.model.int8_linear import (
-    FEW_ROWS, KERNELS, Int8Linear, _fastest, available_kernels, dequantize, quantize_per_channel,
+    KERNELS, ROW_BUCKETS, Int8Linear, _fastest, available_kernels, dequantize, describe_kernels,
+    quantize_per_channel,
 )
 from qil_worker.model.linear import Linear
 from qil_worker.quantization import QUANTIZE_CHOICES
@@ -124,19 +126,23 @@ def test_every_kernel_matches_the_dequantized_weight(dtype, in_features):
     g = torch.Generator().manual_seed(2)
     for kernel in kernels:
         layer = Int8Linear.from_linear(_linear(72, in_features, dtype), kernel)
-        assert layer.kernels == (kernel, kernel) and layer.dtype == dtype
-        for rows in (1, FEW_ROWS, FEW_ROWS + 1, 16, 37):
+        assert layer.kernels == (kernel,) * 3 and layer.dtype == dtype
+        for rows in (1, ROW_BUCKETS[0], ROW_BUCKETS[0] + 1, 16, ROW_BUCKETS[1] + 1, 70):
             _check_against_dequantized(layer, torch.randn(rows, in_features, generator=g).to(dtype))
 
 
-def test_few_and_many_rows_take_their_own_kernel():
-    layer = Int8Linear.from_linear(_linear(40, 64, torch.bfloat16), "int8pack", "dequantize")
-    x = torch.randn(FEW_ROWS + 1, 64).bfloat16()
-    few = layer(x[:FEW_ROWS])
-    many = layer(x)
-    assert torch.equal(few, layer._int8pack(x[:FEW_ROWS]))
-    assert torch.equal(many, layer._dequantize(x))
-    assert "_weight_int8pack_mm up to 4 rows, dequantized per call above" in layer.weight_format
+def test_each_step_size_takes_its_own_kernel():
+    layer = Int8Linear.from_linear(_linear(40, 64, torch.bfloat16), ("int8pack", "dequantize", "int8pack"))
+    small, medium = ROW_BUCKETS
+    for rows, kernel in ((1, "int8pack"), (small, "int8pack"), (small + 1, "dequantize"), (medium, "dequantize"),
+                         (medium + 1, "int8pack")):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(layer(x), getattr(layer, "_" + kernel)(x)), rows
+    assert layer.weight_format == ("int8 per-channel (weight-only, _weight_int8pack_mm up to 4 rows, "
+                                   "dequantized per call up to 32 rows, _weight_int8pack_mm above)")
+    assert describe_kernels(("int8pack", "int8pack", "dequantize")) == (
+        "_weight_int8pack_mm up to 32 rows, dequantized per call above")
+    assert describe_kernels(("dequantize",) * 3) == "dequantized per call"
 
 
 def test_unaligned_and_strided_activations_are_safe_for_the_int8_kernel():
@@ -173,8 +179,10 @@ def test_formats_and_bytes_of_each_projection_kind():
     assert layer.weight_bytes() == 40 * 64 + 40 * 2  # codes + bfloat16 scales
     with pytest.raises(ValueError, match="quantize before packing"):
         Int8Linear.from_linear(packed if packed.packed else _packed_stand_in())
-    with pytest.raises(ValueError, match="unknown int8 kernel"):
-        layer.use_kernels("int8pack", "int4")
+    with pytest.raises(ValueError, match="unknown int8 kernels"):
+        layer.use_kernels(("int8pack", "int4", "int8pack"))
+    with pytest.raises(ValueError, match="unknown int8 kernels"):
+        layer.use_kernels(("int8pack", "dequantize"))
 
 
 def _packed_stand_in() -> Linear:
@@ -196,6 +204,12 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def untied_dir(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("int8-untied"), seed=4, tie_word_embeddings=False)
+
+
+def _int8_count(summary: str) -> int:
+    """How many projections a ``weight_summary`` format says are int8 ("<n>x <format>, ...")."""
+    counts = re.findall(r"(\d+)x int8 per-channel \(weight-only, [^()]*\)", summary)
+    return sum(int(n) for n in counts)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -239,7 +253,8 @@ def test_the_lm_head_can_stay_unquantized(tiny_dir):
     model.pack_weights()  # packs the head alone; the quantized layers are left as they are
     assert isinstance(model.layers[1].qk_proj, Int8Linear)
     fmt, _ = model.weight_summary()
-    assert fmt.startswith("12x int8 per-channel (weight-only, ") and fmt.endswith("embedding and norms bfloat16")
+    assert _int8_count(fmt) == 12 and "1x bfloat16 (oneDNN packed)" in fmt
+    assert fmt.endswith("embedding and norms bfloat16")
 
 
 def test_weight_bytes_int8_about_half_of_bfloat16(tiny_dir):
@@ -303,7 +318,7 @@ def test_a_server_with_int8_reports_its_weights_in_get_info(tiny_dir):
         with Client(srv.target) as client:
             model = client.info().model
             result = client.generate(_prompt(8, 2), max_new_tokens=4)
-    assert model.weight_format.startswith("13x int8 per-channel (weight-only, ")
+    assert _int8_count(model.weight_format) == 13  # the kernels chosen may differ per shape
     assert model.weight_format.endswith("embedding and norms bfloat16")
     assert model.weight_bytes == expected[1]
     assert len(result.token_ids) == 4

@@ -6,7 +6,7 @@ half of bfloat16's. Each output row ``W[i]`` is stored as ``q[i] = round(W[i] / 
 ``W ≈ q * s[:, None]``. Activations stay in the compute dtype: only the weight is quantized.
 
 Kernels (``KERNELS``), chosen per shape at load by timing each candidate on that shape
-(``choose_kernels``), once for few rows (decode) and once for many (prefill, large batches):
+(``choose_kernels``), for each size of step (``ROW_BUCKETS``: decode, large batches, prefill):
 
 - ``int8pack``: ``torch._weight_int8pack_mm`` (CPU: AVX-512/AVX2 dot products over the int8 rows,
   float32 accumulation; CUDA where the torch build has it). It needs ``in_features % 16 == 0``
@@ -35,10 +35,12 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("int8pack", "dequantize")
 KERNEL_NAMES = {"int8pack": "_weight_int8pack_mm", "dequantize": "dequantized per call"}
-# Rows up to this count take the kernel chosen for decode; more rows, the one for large batches.
-FEW_ROWS = 4
-# Rows the two choices are timed at.
-TIMED_ROWS = (1, 16)
+# Steps of up to ROW_BUCKETS[i] rows take the kernel chosen for bucket i, larger ones the last
+# bucket's; each bucket's choice is timed at TIMED_ROWS[i] rows. torch's int8 kernel converts
+# the weights again for every 4 rows, so it wins at decode sizes and loses badly at prefill
+# sizes, where dequantizing the weight once per call and one GEMM win.
+ROW_BUCKETS = (4, 32)
+TIMED_ROWS = (1, 16, 128)
 # A kernel later in ``KERNELS`` (the order of preference) is chosen only when it measures this
 # much faster than the preferred one: timings on a shared machine move by tens of percent.
 MARGIN = 1.25
@@ -99,23 +101,24 @@ def available_kernels(in_features: int, device: torch.device, dtype: torch.dtype
 class Int8Linear(nn.Module):
     """One projection's weight as int8 codes [out, in] and per-row scales [out] (compute dtype)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, few_rows: str = "dequantize", many_rows: str | None = None) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, kernels: str | tuple[str, ...] = "dequantize") -> None:
+        """``kernels``: one kernel for every step size, or one per ``TIMED_ROWS`` bucket."""
         super().__init__()
         if codes.dtype != torch.int8 or codes.dim() != 2 or scales.shape != codes.shape[:1]:
             raise ValueError(f"Int8Linear needs int8 codes [out, in] and scales [out], got "
                              f"{codes.dtype} {tuple(codes.shape)} and {tuple(scales.shape)}")
         self.register_buffer("weight", codes)
         self.register_buffer("scales", scales)
-        self.use_kernels(few_rows, many_rows or few_rows)
+        self.use_kernels(kernels)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, few_rows: str = "dequantize", many_rows: str | None = None) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Module, kernels: str | tuple[str, ...] = "dequantize") -> "Int8Linear":
         """Quantize a plain (not oneDNN-packed) ``Linear``'s weight; scales in its dtype."""
         if getattr(linear, "packed", False):
             raise ValueError("int8 quantization needs the plain weight: quantize before packing for oneDNN")
         weight = linear.weight.data
         codes, scales = quantize_per_channel(weight, weight.dtype)
-        return cls(codes, scales, few_rows, many_rows)
+        return cls(codes, scales, kernels)
 
     @property
     def in_features(self) -> int:
@@ -130,19 +133,19 @@ class Int8Linear(nn.Module):
         """The compute dtype (activations and results)."""
         return self.scales.dtype
 
-    def use_kernels(self, few_rows: str, many_rows: str) -> None:
-        """Run ``few_rows`` for steps of at most ``FEW_ROWS`` rows, ``many_rows`` above."""
-        for kernel in (few_rows, many_rows):
-            if kernel not in KERNELS:
-                raise ValueError(f"unknown int8 kernel {kernel!r}; expected one of {KERNELS}")
-        self.kernels = (few_rows, many_rows)
-        self._few = getattr(self, "_" + few_rows)
-        self._many = getattr(self, "_" + many_rows)
+    def use_kernels(self, kernels: str | tuple[str, ...]) -> None:
+        """Run ``kernels[i]`` for steps of the i-th ``ROW_BUCKETS`` size (one name: for all)."""
+        kernels = (kernels,) * len(TIMED_ROWS) if isinstance(kernels, str) else tuple(kernels)
+        if len(kernels) != len(TIMED_ROWS) or any(k not in KERNELS for k in kernels):
+            raise ValueError(f"unknown int8 kernels {kernels!r}; expected {len(TIMED_ROWS)} of {KERNELS}")
+        self.kernels = kernels
+        self._small, self._medium, self._large = (getattr(self, "_" + k) for k in kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = (self._few if rows.shape[0] <= FEW_ROWS else self._many)(rows)
-        return out.view(*x.shape[:-1], self.out_features)
+        n = rows.shape[0]
+        run = self._small if n <= ROW_BUCKETS[0] else self._medium if n <= ROW_BUCKETS[1] else self._large
+        return run(rows).view(*x.shape[:-1], self.out_features)
 
     # Called several times per layer per step: straight to ``forward``, as ``Linear`` does.
     __call__ = forward
@@ -161,12 +164,25 @@ class Int8Linear(nn.Module):
 
     @property
     def weight_format(self) -> str:
-        few, many = (KERNEL_NAMES[k] for k in self.kernels)
-        kernel = few if few == many else f"{few} up to {FEW_ROWS} rows, {many} above"
-        return f"int8 per-channel (weight-only, {kernel})"
+        return f"int8 per-channel (weight-only, {describe_kernels(self.kernels)})"
 
     def weight_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def describe_kernels(kernels: tuple[str, ...]) -> str:
+    """"_weight_int8pack_mm", or "_weight_int8pack_mm up to 32 rows, dequantized per call above"."""
+    parts: list[str] = []
+    for i, kernel in enumerate(kernels):
+        name = KERNEL_NAMES[kernel]
+        if parts and parts[-1][0] == name:
+            parts[-1] = (name, i)
+        else:
+            parts.append((name, i))
+    if len(parts) == 1:
+        return parts[0][0]
+    shown = [f"{name} up to {ROW_BUCKETS[last]} rows" for name, last in parts[:-1]]
+    return ", ".join(shown) + f", {parts[-1][0]} above"
 
 
 def _time_kernels(linear: Int8Linear, kernels: list[str], rows: int, rounds: int = 5) -> dict[str, float]:
@@ -196,12 +212,12 @@ def _fastest(times: dict[str, float]) -> str:
     return best if times[best] * MARGIN < times[preferred] else preferred
 
 
-def choose_kernels(linears: list[Int8Linear]) -> dict[tuple[int, int], tuple[str, str]]:
-    """Time every available kernel once per distinct shape, at ``TIMED_ROWS`` rows, and give
-    each linear the fastest for few and for many rows; → shape → (few-rows, many-rows) kernel.
+def choose_kernels(linears: list[Int8Linear]) -> dict[tuple[int, int], tuple[str, ...]]:
+    """Time every available kernel once per distinct shape, at each of ``TIMED_ROWS`` rows, and
+    give each linear the fastest per step size; → shape → its kernels, one per bucket.
 
     Raises ``ConfigError`` where no kernel can run a shape (CUDA without an int8 kernel)."""
-    chosen: dict[tuple[int, int], tuple[str, str]] = {}
+    chosen: dict[tuple[int, int], tuple[str, ...]] = {}
     for linear in linears:
         shape = (linear.out_features, linear.in_features)
         if shape not in chosen:
@@ -211,15 +227,13 @@ def choose_kernels(linears: list[Int8Linear]) -> dict[tuple[int, int], tuple[str
                     f"--quantize int8: this torch build has no int8 weight-only kernel for {linear.dtype} on "
                     f"{linear.weight.device.type} (torch._weight_int8pack_mm); serve without --quantize")
             if len(kernels) == 1:
-                chosen[shape] = (kernels[0], kernels[0])
+                chosen[shape] = (kernels[0],) * len(TIMED_ROWS)
                 log.info("int8 kernel for %dx%d: %s (the only one available)", *shape, kernels[0])
             else:
                 times = {rows: _time_kernels(linear, kernels, rows) for rows in TIMED_ROWS}
-                few, many = (_fastest(times[rows]) for rows in TIMED_ROWS)
-                chosen[shape] = (few, many)
-                log.info("int8 kernels for %dx%d: %s (%s)", *shape,
-                         few if few == many else f"{few} up to {FEW_ROWS} rows, {many} above",
+                chosen[shape] = tuple(_fastest(times[rows]) for rows in TIMED_ROWS)
+                log.info("int8 kernels for %dx%d: %s (%s)", *shape, describe_kernels(chosen[shape]),
                          "; ".join(f"{rows} rows: " + ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in ts.items())
                                    for rows, ts in times.items()))
-        linear.use_kernels(*chosen[shape])
+        linear.use_kernels(chosen[shape])
     return chosen
