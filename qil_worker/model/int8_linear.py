@@ -185,9 +185,12 @@ def describe_kernels(kernels: tuple[str, ...]) -> str:
     return ", ".join(shown) + f", {parts[-1][0]} above"
 
 
-def _time_kernels(linear: Int8Linear, kernels: list[str], rows: int, rounds: int = 5) -> dict[str, float]:
+def _time_kernels(linear: Int8Linear, kernels: list[str], rows: int, rounds: int = 5,
+                  budget_s: float = 0.3) -> dict[str, float]:
     """kernel → best seconds of one call on ``rows`` rows, over ``rounds`` calls of each taken in
-    turn (so that a busy moment of the machine hits every kernel alike), after a warm-up."""
+    turn (so that a busy moment of the machine hits every kernel alike), after a warm-up; at
+    least two rounds, fewer than ``rounds`` once they have taken ``budget_s`` (a slow kernel on
+    an LM head takes a large part of a second per call: start-up should not wait for it)."""
     x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(0)).to(
         device=linear.weight.device, dtype=linear.dtype)
     sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
@@ -195,7 +198,10 @@ def _time_kernels(linear: Int8Linear, kernels: list[str], rows: int, rounds: int
     for run in runs.values():
         run(x)
     best = dict.fromkeys(kernels, float("inf"))
-    for _ in range(rounds):
+    started = time.perf_counter()
+    for round_ in range(rounds):
+        if round_ >= 2 and time.perf_counter() - started > budget_s:
+            break
         for kernel, run in runs.items():
             sync()
             start = time.perf_counter()
