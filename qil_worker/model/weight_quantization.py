@@ -21,7 +21,8 @@ from qil_worker.quantization import resolve_quantize
 log = logging.getLogger(__name__)
 
 # The LM head is quantized too by default: on the 0.6B shape it is a sixth of the weights read
-# per decode step, at a logit error well below the projections' own (docs/quantization.md).
+# per decode step, and quantizing it adds almost nothing to the projections' logit error
+# (docs/performance.md#int8-weight-only-2026-12-02).
 QUANTIZE_HEAD = True
 
 
