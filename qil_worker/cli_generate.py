@@ -9,6 +9,7 @@ import sys
 from qil_client import constraints, options
 from qil_client.cli_help import DefaultsHelpFormatter
 from qil_worker.errors import QilError
+from qil_worker.quantization import QUANTIZE_CHOICES
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +70,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     constraints.add_flags(p)
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16, auto")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
+                   help="int8: store the linear weights as per-channel int8 at load; none: as loaded")
     p.add_argument("--num-pages", type=positive_int, default=512, help="KV cache pages")
     p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead")
@@ -100,7 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
             tokenizer = load_tokenizer(tokenizer_dir)
         elif has_tokenizer_files(tokenizer_dir):
             tokenizer = load_tokenizer(tokenizer_dir)
-        model = Qwen3.from_directory(args.model, device=args.device, dtype=args.dtype)
+        model = Qwen3.from_directory(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, tokenizer=tokenizer)
         prompt: dict[str, object]
         if args.token_ids is not None:

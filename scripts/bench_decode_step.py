@@ -3,7 +3,8 @@
 
 CUDA: steps replayed from CUDA graphs against eager. CPU: weights packed for oneDNN (as
 ``Qwen3.from_directory`` loads them) against the plain parameters (``pack_weights=False``).
-``--attention A B``: attention backend A against B instead (e.g. ``sdpa varlen-packed``; CUDA
+``--quantize int8``: the model as loaded (``--dtype``) against its int8 weight-only quantization
+instead (``Qwen3.from_directory(quantize="int8")``). ``--attention A B``: attention backend A against B instead (e.g. ``sdpa varlen-packed``; CUDA
 graphs as the engine's default). For each batch size B: B requests with --prompt-len tokens (or
 lengths spread evenly over ``--prompt-len MIN MAX``) are prefilled, then --steps decode steps
 are timed (wall time of ``Engine.step()``, which ends with the host reading the sampled
@@ -12,6 +13,7 @@ tokens). Prints ms/step and tokens/s for both, and the speed-up.
     python scripts/bench_decode_step.py --device cuda --batch 1 8 64 256
     python scripts/bench_decode_step.py --device cuda --attention sdpa varlen-packed --prompt-len 100 2000
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16
+    python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16 --quantize int8
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, nargs="+", default=[128], help="N, or MIN MAX (spread)")
     p.add_argument("--attention", nargs=2, default=None, metavar=("A", "B"),
                    help="compare two attention backends (auto, sdpa, varlen, varlen-packed)")
+    p.add_argument("--quantize", choices=("int8",), default=None,
+                   help="compare the model as loaded with its int8 weight-only quantization")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="tiny model (smoke test)")
@@ -78,6 +83,10 @@ def main(argv=None) -> int:
     from qil_worker import cpu_memory
 
     cpu_memory.configure_process(args.device)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from qil_worker import Qwen3
 
@@ -85,7 +94,11 @@ def main(argv=None) -> int:
     default = Path.home() / ".cache" / "qil" / ("bench-quick" if args.quick else "bench-qwen3-0.6b-shape")
     model_dir = ensure_model(args.model_dir or default, shape)
     model = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype)
-    if args.attention:
+    if args.quantize:
+        names = ("as-loaded", args.quantize)
+        quantized = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype, quantize=args.quantize)
+        reference, fast = (model, None, "auto"), (quantized, None, "auto")
+    elif args.attention:
         names = tuple(args.attention)
         reference, fast = ((model, None, a) for a in args.attention)
     elif model.device.type == "cuda":

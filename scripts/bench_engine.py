@@ -221,7 +221,7 @@ def bench_dtype(args, model_dir: Path, dtype_name: str, prompts: list[list[int]]
     pages_needed = batch * -(-(args.prompt_len + n_new) // args.page_size)
 
     t = time.perf_counter()
-    qil_model = Qwen3.from_directory(model_dir, device="cpu", dtype=dtype)
+    qil_model = Qwen3.from_directory(model_dir, device="cpu", dtype=dtype, quantize=args.quantize)
     hf_model = load_hf(model_dir, dtype)
     print(f"bench[{dtype_name}]: models loaded in {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
     extra = {}
@@ -241,7 +241,7 @@ def bench_dtype(args, model_dir: Path, dtype_name: str, prompts: list[list[int]]
         hf_run(hf_model, warm[:1], 4)
         hf_run(hf_model, warm, 4)
 
-    out: dict = {"dtype": dtype_name}
+    out: dict = {"dtype": dtype_name if args.quantize == "none" else f"{dtype_name}+{args.quantize}"}
 
     def phase(label, fn):
         t = time.perf_counter()
@@ -314,6 +314,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --quick)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (8 with --quick)")
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="qil's weights: int8 = quantized at load (transformers stays unquantized)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default %(default)s)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--token-budget", type=int, default=512, help="qil engine (default %(default)s)")
@@ -359,7 +361,8 @@ def main(argv=None) -> int:
             "new_tokens": args.new_tokens, "batch": args.batch, "threads": torch.get_num_threads(),
             "warmup": args.warmup, "repeat": args.repeat, "torch": torch.__version__,
             "engine": {"page_size": args.page_size, "token_budget": args.token_budget,
-                       "prefill_chunk": args.prefill_chunk, "prefix_cache": args.prefix_cache},
+                       "prefill_chunk": args.prefill_chunk, "prefix_cache": args.prefix_cache,
+                       "quantize": args.quantize},
         }
         args.json.write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
     if tmp is not None:

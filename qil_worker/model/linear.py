@@ -63,6 +63,16 @@ class Linear(nn.Module):
     # dispatch (no hooks are used on projections).
     __call__ = forward
 
+    @property
+    def weight_format(self) -> str:
+        """The weight's dtype, and "(oneDNN packed)" once packed."""
+        dtype = str(self.weight.dtype).removeprefix("torch.")
+        return f"{dtype} (oneDNN packed)" if self.packed else dtype
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weight this projection runs on (a tied, unpacked head's is the embedding)."""
+        return self.weight.numel() * self.weight.element_size()
+
     def packed_weight(self) -> torch.Tensor | None:
         """The weight packed for oneDNN, or None when that fails its self-check (or is packed)."""
         if self.packed:

@@ -24,6 +24,8 @@ from qil_worker.kv.cache import KVCache
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
 from qil_worker.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rope
 from qil_worker.model.linear import Linear, pack_all, packing_supported
+from qil_worker.model.weight_quantization import projection_modules, quantize_projections, weight_summary
+from qil_worker.quantization import resolve_quantize
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +163,7 @@ class Qwen3(nn.Module):
         pack_weights: bool = True,
         fused_projections: bool | None = None,
         fp8: str = "auto",
+        quantize: str | None = None,
     ) -> "Qwen3":
         """Load a Hugging Face Qwen3 directory strictly (see ``loader.load_weights``).
 
@@ -170,6 +173,9 @@ class Qwen3(nn.Module):
         ``fused_projections``: see ``Qwen3``. ``fp8`` (FP8 checkpoints only): ``"auto"`` keeps
         the FP8 weights and runs block-scaled FP8 matmuls where the device runs them right
         (``fp8_linear.py``), else dequantizes to ``dtype`` at load; ``"dequantize"`` always does.
+        ``quantize``: None (or "none") keeps the weights in the compute dtype; "int8" quantizes
+        them at load (``quantize_weights``), before packing — an FP8 checkpoint is then
+        dequantized first, whatever ``fp8`` says.
         """
         from qil_worker.model import fp8_linear
         from qil_worker.model.loader import load_weights, stored_dtype
@@ -178,6 +184,7 @@ class Qwen3(nn.Module):
             raise ConfigError(f"fp8: expected 'auto' or 'dequantize', got {fp8!r}")
 
         config = Qwen3Config.from_directory(path)
+        quantize = resolve_quantize(quantize)
         device = resolve_device(device)
         checkpoint_dtype = config.torch_dtype
         if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
@@ -186,10 +193,13 @@ class Qwen3(nn.Module):
             config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
             fused_projections=fused_projections,
         )
-        kernels = fp8_linear.cuda_kernels(device) if config.quantization and fp8 == "auto" else []
+        keep_fp8 = config.quantization is not None and fp8 == "auto" and quantize is None
+        kernels = fp8_linear.cuda_kernels(device) if keep_fp8 else []
         kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {} if kernels else None
         load_weights(model, Path(path), keep_fp8=kept)
         summary = fp8_linear.use_fp8(model, kept, kernels) if kept is not None else None
+        if quantize is not None:
+            model.quantize_weights(quantize)
         if pack_weights:
             model.pack_weights()
         if config.quantization is not None:
@@ -251,8 +261,24 @@ class Qwen3(nn.Module):
         if not packing_supported(self.device, self.dtype):
             return 0
         start = time.perf_counter()
-        packed = sum(layer.pack_weights() for layer in self.layers)
-        head = self.head.pack()
+        # only layers of plain ``Linear``s: quantized projections run on their own kernels
+        plain = [layer for layer in self.layers if all(type(m) is Linear for m in projection_modules(layer))]
+        packed = sum(layer.pack_weights() for layer in plain)
+        head = type(self.head) is Linear and self.head.pack()
         log.info("weights packed for oneDNN: %d/%d layers, LM head %s (%.1f s)",
                  packed, len(self.layers), "yes" if head else "no", time.perf_counter() - start)
         return packed
+
+    def quantize_weights(self, method: str = "int8", head: bool | None = None) -> int:
+        """Quantize every plain projection (and the LM head unless ``head`` is False) with
+        ``method`` (``QUANTIZE_CHOICES``; see ``weight_quantization.py``), in place of oneDNN
+        packing for them; → how many projections were quantized. One explicit step after
+        loading (``from_directory(quantize=...)`` takes it); the unquantized weights are freed
+        (a tied head's embedding table stays, for lookups)."""
+        return quantize_projections(self, method, head)
+
+    def weight_summary(self) -> tuple[str, int]:
+        """(the formats the weights run in, the bytes every weight holds: projections with their
+        scales, embedding, norms; a tensor shared by two places counted once)."""
+        return weight_summary(self)
+

@@ -12,6 +12,7 @@ from qil_client.cli_help import DefaultsHelpFormatter
 from qil_worker.attention.names import ATTENTION_CHOICES
 from qil_worker.cli_generate import positive_int
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
+from qil_worker.quantization import QUANTIZE_CHOICES
 from qil_worker.service import limits, logs
 from qil_worker.service.front import FrontConfig
 from qil_worker.service.server import ServeConfig, serve
@@ -38,6 +39,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto = the checkpoint's (default: bfloat16 on CUDA, float32 otherwise)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads in the worker (default: torch's, one per core)")
+    p.add_argument(
+        "--quantize", choices=QUANTIZE_CHOICES, default="none",
+        help="store the linear weights quantized at load: int8 = per-output-channel int8, "
+        "activations in --dtype (half of bfloat16's weight bytes; CPU, or CUDA where torch has "
+        "the kernel); none = as loaded in --dtype",
+    )
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=positive_int, default=None, help="KV pages (default: 512)")
     pool.add_argument(
@@ -229,6 +236,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             device=args.device,
             dtype=args.dtype,
             threads=args.threads,
+            quantize=None if args.quantize == "none" else args.quantize,
             engine=dict(
                 num_pages=args.num_pages,
                 page_size=args.page_size,

@@ -62,6 +62,8 @@ class FrontConfig:
     device: str = "cpu"
     dtype: str | None = None
     threads: int | None = None
+    # None: weights in ``dtype``; "int8": quantized at load (``Qwen3.from_directory(quantize=)``)
+    quantize: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     # KV pool from a byte budget or a fraction of free device memory instead of engine["num_pages"]
     kv_memory_bytes: int | None = None
@@ -446,6 +448,7 @@ def _worker_config(config: FrontConfig) -> dict[str, Any]:
         "device": config.device,
         "dtype": config.dtype,
         "threads": config.threads,
+        "quantize": config.quantize,
         "engine": dict(config.engine),
         "kv_memory_bytes": config.kv_memory_bytes,
         "kv_memory_fraction": config.kv_memory_fraction,

@@ -167,6 +167,9 @@ class WorkerInfo:
     # (0: no bound) and the tokenizer's normalizer (None or "NFC")
     max_token_bytes: int = 0
     normal_form: str | None = None
+    # the formats the weights run in and the bytes they hold (``Qwen3.weight_summary``)
+    weight_format: str = ""
+    weight_bytes: int = 0
 
 
 @message

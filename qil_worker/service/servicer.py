@@ -201,6 +201,8 @@ def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:
         has_tokenizer=info.has_tokenizer,
         has_chat_template=info.has_chat_template,
         structured_output=info.structured_output,
+        weight_format=info.weight_format,
+        weight_bytes=info.weight_bytes,
     )
     engine_limits = pb.EngineLimits(
         page_size=info.page_size,

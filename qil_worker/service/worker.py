@@ -110,7 +110,10 @@ def _load(config: dict[str, Any]):
         model_dir = str(ensure_demo_model())
         log.info("serving the embedded DEMO model (random weights) from %s", model_dir)
     t0 = time.perf_counter()
-    model = Qwen3.from_directory(model_dir, device=config.get("device", "cpu"), dtype=config.get("dtype"))
+    model = Qwen3.from_directory(
+        model_dir, device=config.get("device", "cpu"), dtype=config.get("dtype"), quantize=config.get("quantize"),
+    )
+    weight_format, weight_bytes = model.weight_summary()
     cfg = model.config
     tokenizer, tokenizer_dir = _load_tokenizer(config, model_dir, cfg.vocab_size)
     engine_kw = dict(config.get("engine", {}))
@@ -168,12 +171,15 @@ def _load(config: dict[str, Any]):
         structured_output=structured,
         max_token_bytes=traits.max_token_bytes,
         normal_form=traits.normal_form,
+        weight_format=weight_format,
+        weight_bytes=weight_bytes,
     )
     log.info(
-        "model %s loaded and warm in %.2fs: dtype %s, device %s, %d KV pages (%s); memory: %s; "
+        "model %s loaded and warm in %.2fs: dtype %s, device %s, weights %s (%s); %d KV pages (%s); memory: %s; "
         "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
         "structured output: %s; %d start-up objects frozen for the GC",
-        info.name, time.perf_counter() - t0, info.dtype, info.device, pool.num_pages,
+        info.name, time.perf_counter() - t0, info.dtype, info.device, info.weight_format,
+        _mib(info.weight_bytes), pool.num_pages,
         info.kv_pool, info.memory, tokenizer_dir or "none", "on" if info.prefix_cache else "off",
         info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off",
         "on" if info.structured_output else "off", frozen,
