@@ -386,3 +386,21 @@ def test_engine_benchmark_runs_qil_quantized(tmp_path):
     assert result["config"]["engine"]["quantize"] == "int8"
     assert result["results"][0]["dtype"] == "bfloat16+int8"
     assert result["results"][0]["single"]["qil"]["decode_tok_s"] > 0
+
+
+def test_an_fp8_checkpoint_quantizes_to_int8_from_its_dequantized_weights(tmp_path):
+    """``quantize="int8"`` on an FP8 checkpoint: dequantized at load (whatever ``fp8`` says),
+    then quantized — the same codes and scales as quantizing the dequantized model."""
+    from checkpoints import make_fp8_checkpoint
+
+    path = make_fp8_checkpoint(tmp_path / "fp8")
+    dequantized = Qwen3.from_directory(path, dtype="float32", pack_weights=False)
+    dequantized.quantize_weights("int8")
+    int8 = Qwen3.from_directory(path, dtype="float32", quantize="int8", fp8="auto")
+    pairs = [(getattr(a, name), getattr(b, name)) for a, b in zip(dequantized.layers, int8.layers)
+             for name in ("qk_proj", "v_proj", "o_proj")]
+    assert pairs and all(isinstance(m, Int8Linear) for pair in pairs for m in pair)
+    for want, got in pairs:
+        assert torch.equal(got.weight, want.weight) and torch.equal(got.scales, want.scales)
+    ids = _prompt(24, 3)
+    assert 0 < (_prefill_logits(int8, ids) - _prefill_logits(Qwen3.from_directory(path, dtype="float32"), ids)).abs().max() <= LOGIT_ATOL
