@@ -30,6 +30,7 @@ import torch
 
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.engine.scheduler import ScheduledChunk
+from qil_worker.engine.transfer import host_tensor
 from qil_worker.kv import KVCache
 from qil_worker.model import Qwen3
 
@@ -168,13 +169,14 @@ class DecodeGraphs:
         pin = self._pin
         ids = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
         positions = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
-        ids[:rows] = torch.tensor([c.request.token_ids(c.start, c.end)[0] for c in chunks])
-        positions[:rows] = torch.tensor([c.start for c in chunks])
+        ids[:rows] = host_tensor([c.request.token_at(c.start) for c in chunks], torch.long)
+        positions[:rows] = host_tensor([c.start for c in chunks], torch.long)
         table = torch.full((batch, pages), self.kv.scratch_page, dtype=torch.long, pin_memory=pin)
-        row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths))
-        starts = torch.tensor(list(chain([0], lengths[:-1]))).cumsum(0)
-        column = torch.arange(len(row_of)) - torch.repeat_interleave(starts, torch.tensor(lengths))
-        table[row_of, column] = torch.tensor(list(chain.from_iterable(tables)), dtype=torch.long)
+        counts = host_tensor(lengths, torch.long)
+        row_of = torch.repeat_interleave(torch.arange(rows), counts)
+        starts = counts.cumsum(0) - counts
+        column = torch.arange(len(row_of)) - torch.repeat_interleave(starts, counts)
+        table[row_of, column] = host_tensor(chain.from_iterable(tables), torch.long)
         self._ids[:batch].copy_(ids, non_blocking=True)
         self._positions[:batch].copy_(positions, non_blocking=True)
         self._tables[:batch, :pages].copy_(table, non_blocking=True)

@@ -407,7 +407,7 @@ class Engine:
             )
             if request.prompt_logprobs is not None:
                 event = request.prompt_logprobs.attach(event)
-            events.append(samples.tagged(event, request))
+            events.append(event if request.group is None else samples.tagged(event, request))
         return events
 
     def _accept_token(
@@ -445,9 +445,8 @@ class Engine:
                         reason, request.stop_reason = FinishReason.STOP, request.text.matched_stop
                 self._finish(request, reason)
                 result = self._retire(request)
-            return Event(
-                request.request_id, token, index, reason is not None, reason, None, logprob,
-                top_logprobs, text, request.stop_reason, result,
+            return Event.of_token(
+                request.request_id, token, index, reason, logprob, top_logprobs, text, request.stop_reason, result
             )
         except Exception as exc:  # a fault of this request only
             log.exception("request %s failed", request.request_id)

@@ -153,10 +153,10 @@ class Scheduler:
     def _prompt_pages_filled(self, chunk: ScheduledChunk) -> list[tuple[int, list[int], int]]:
         """(hash, tokens, page) of every full prompt page whose last token this chunk computes."""
         request = chunk.request
-        if not request.page_hashes:
+        prompt = request.prompt_token_ids
+        if not request.page_hashes or chunk.start >= len(prompt):  # a decode fills no prompt page
             return []
         size = self.prefix_cache.page_size
-        prompt = request.prompt_token_ids
         first = min(chunk.start, len(prompt)) // size
         last = min(chunk.end, len(prompt)) // size
         return [
@@ -165,6 +165,8 @@ class Scheduler:
         ]
 
     def _admit(self, chosen: dict[Request, ScheduledChunk], budget: int) -> int:
+        if not self.waiting:
+            return budget
         # a request of n samples takes n slots from its admission on: its samples fork into
         # running when its prompt is computed (``engine.samples``)
         slots = len(self.running) + sum(len(unforked(r)) for r in self.running)
