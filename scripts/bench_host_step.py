@@ -1,33 +1,38 @@
 #!/usr/bin/env python
 """Host (Python) time of one ``Engine.step()`` at 256, 64 and 1 decode rows, split by phase.
 
-A tiny model (hidden 64, 2 layers, vocabulary ~300) keeps the forward small, so what is left is
-the host's own work per step — what a GPU waits for unless it is overlapped:
+A tiny model (hidden 64, 2 layers) keeps the forward small, so what is measured is the host's
+own work per step — what a GPU waits for unless it is overlapped:
 
   schedule   ``Scheduler.schedule`` + ``Scheduler.commit``
-  build      the step's input tensors: ``build_step_batch`` (eager path, and the attention
-             metadata it asks the backend for) or ``DecodeGraphs._stage`` (padded decode path)
+  build      the step's input tensors: ``build_step_batch`` (eager path) or
+             ``DecodeGraphs._stage`` (padded decode path)
+  attn-meta  of which (eager path) the attention backend's ``step_metadata`` (qil_worker/attention)
   prepare    ``Sampler.prepare`` (grammar masks; nothing for these requests)
-  sample     ``Sampler.sample``: per-request parameters, their ``to_device``, the draw's small
-             ops over a [rows, ~300] logits tensor, the final ``tolist``
-  accept     the rest of ``step()``: ``_accept_token``, events, samples tagging, bookkeeping
-  host       everything but the forward (the sum of the above)
+  sample     ``Sampler.sample``: per-request parameters, their ``to_device``, the draw's ops
+             over [rows, vocab] logits, the final ``tolist``
+  accept     the rest of ``step()``: ``_accept_token``, events, bookkeeping, which path to take
+  host       everything but the forward (schedule + build + prepare + sample + accept)
   forward    the model call (``Qwen3.forward``, or ``DecodeGraphs.run`` minus staging): not host
 
-Requests as the 256-request benchmark has them: token-id prompts of 100-1024 tokens (seeded),
-EOS ignored, half greedy, half sampled (temperature 0.8, top-p 0.95, a seed each). Variant
-``text``: the same, on an engine with a tokenizer (every token detokenized) and two stop strings
-per request. Path ``eager`` is the engine's CPU default (``build_step_batch``); ``padded`` is the
-decode-graph path (``cuda_graphs=True``: on a GPU every such step is replayed from a graph, so
+Requests as the 256-request benchmark has them (``bench_throughput.py --temperature``): token-id
+prompts of 100-1024 tokens (seeded), EOS ignored, half greedy, half sampled with temperature 0.8
+and a seed each, on a model with a 64-id vocabulary, so that the sampler's ops over
+[rows, vocab] cost their dispatch (host work) rather than their arithmetic. Variant ``text``: an
+engine with a tokenizer (every token detokenized; ~300 ids), two stop strings per request, and
+top-p 0.95 on the sampled ones (its ``sample`` includes the CPU's top-p sort of [rows, ~300],
+device work on a GPU). Path ``eager`` is the engine's CPU default (``build_step_batch``);
+``padded`` the decode-graph path (``cuda_graphs=True``; on a GPU these steps replay a graph, so
 its host work is this path's). Each configuration first computes every prompt, then times
-``--steps`` pure decode steps (no request finishes meanwhile) and reports the mean ms per step.
+``--steps`` pure decode steps (no request ends meanwhile) and reports the mean ms per step.
 
-Phases are timed by wrapping the named calls inside this script (nothing is added to the engine).
+Phases are timed by wrapping the named calls inside this script (nothing is added to the
+engine), by default in this thread's CPU time (``--clock cpu``), which other work on a shared
+machine inflates less than wall time.
 
 A/B: ``--before REV`` also runs the engine package (``qil_worker/engine/``) as it is at git
-revision REV over the rest of this tree, in a child process alternating with the current one
-(``--rounds`` times each), and prints before / after / ratio per phase. The machine's load
-average is printed with the table: shared machines give noisy figures, compare inside one run.
+revision REV over the rest of this tree, in child processes alternating with the current one
+(``--rounds`` times each), and prints before / after / ratio per phase with the load average.
 
     python scripts/bench_host_step.py --before 87e3f10 --rounds 3
 """
@@ -46,7 +51,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PHASES = ("schedule", "build", "prepare", "sample", "accept", "host", "forward")
+PHASES = ("schedule", "build", "attn-meta", "prepare", "sample", "accept", "host", "forward")
 VARIANTS = ("plain", "text")
 PREFILL_STEPS = 64  # at most, to compute every prompt
 PATHS = ("eager", "padded")
@@ -58,26 +63,25 @@ PATHS = ("eager", "padded")
 class PhaseClock:
     """Seconds spent in each phase while ``on``; wrappers installed on one engine's objects."""
 
-    def __init__(self) -> None:
+    def __init__(self, now) -> None:
         self.on = False
+        self.now = now
         self.seconds = dict.fromkeys(PHASES, 0.0)
 
     def wrap(self, phase: str, fn):
-        import time as _time
-
         def timed(*args, **kwargs):
             if not self.on:
                 return fn(*args, **kwargs)
-            t0 = _time.perf_counter()
+            t0 = self.now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[phase] += _time.perf_counter() - t0
+                self.seconds[phase] += self.now() - t0
 
         return timed
 
 
-def instrument(engine, clock: PhaseClock) -> None:
+def instrument(engine, clock: "PhaseClock") -> None:
     import qil_worker.engine.engine as engine_module
 
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
@@ -85,6 +89,7 @@ def instrument(engine, clock: PhaseClock) -> None:
     engine.sampler.prepare = clock.wrap("prepare", engine.sampler.prepare)
     engine.sampler.sample = clock.wrap("sample", engine.sampler.sample)
     engine_module.build_step_batch = clock.wrap("build", engine_module.build_step_batch)
+    engine.attention.step_metadata = clock.wrap("attn-meta", engine.attention.step_metadata)
     engine.model.forward = clock.wrap("forward", engine.model.forward)
     graphs = engine.decode_graphs
     if graphs is not None:
@@ -96,15 +101,17 @@ def instrument(engine, clock: PhaseClock) -> None:
             if not clock.on:
                 return run(chunks)
             before = clock.seconds["build"]
-            t0 = time.perf_counter()
+            t0 = clock.now()
             out = run(chunks)
-            clock.seconds["forward"] += time.perf_counter() - t0 - (clock.seconds["build"] - before)
+            clock.seconds["forward"] += clock.now() - t0 - (clock.seconds["build"] - before)
             return out
 
         graphs.run = run_minus_stage
 
 
-def measure(model, tokenizer, variant: str, path: str, rows: int, steps: int, warmup: int, seed: int) -> dict:
+def measure(
+    model, tokenizer, variant: str, path: str, rows: int, steps: int, warmup: int, seed: int, clock: str
+) -> dict:
     from qil_worker.engine import Engine
 
     rng = random.Random(seed)
@@ -121,8 +128,9 @@ def measure(model, tokenizer, variant: str, path: str, rows: int, steps: int, wa
         prefix_cache=True, cuda_graphs=path == "padded",
     )
     extra = {"stop_strings": ["<<never>>", "STOP here"]} if variant == "text" else {}
+    drawn = {"temperature": 0.8, "seed": 0} | ({"top_p": 0.95} if variant == "text" else {})
     for i, prompt in enumerate(prompts):
-        sampling = {} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": i}
+        sampling = {} if i % 2 == 0 else dict(drawn, seed=i)
         engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, **sampling, **extra)
     for _ in range(PREFILL_STEPS):  # until every prompt is computed: then every step is pure decode
         if not engine.scheduler.waiting and all(
@@ -132,20 +140,20 @@ def measure(model, tokenizer, variant: str, path: str, rows: int, steps: int, wa
         engine.step()
     if len(engine.scheduler.running) != rows:
         sys.exit(f"{rows} requests should be decoding, {len(engine.scheduler.running)} are")
-    clock = PhaseClock()
-    instrument(engine, clock)
+    timer = PhaseClock(time.thread_time if clock == "cpu" else time.perf_counter)
+    instrument(engine, timer)
     for _ in range(warmup):
         engine.step()
-    clock.on = True
+    timer.on = True
     row_counts = []
-    t0 = time.perf_counter()
+    t0 = timer.now()
     for _ in range(steps):
         row_counts.append(len(engine.step()))
-    total = time.perf_counter() - t0
-    clock.on = False
-    s = clock.seconds
+    total = timer.now() - t0
+    timer.on = False
+    s = timer.seconds
     s["host"] = total - s["forward"]
-    s["accept"] = s["host"] - s["schedule"] - s["build"] - s["prepare"] - s["sample"]
+    s["accept"] = s["host"] - s["schedule"] - s["build"] - s["prepare"] - s["sample"]  # attn-meta is in build
     engine.close()
     return {
         "variant": variant, "path": path, "rows": rows, "mean_rows": statistics.mean(row_counts),
@@ -159,17 +167,20 @@ def child(args: argparse.Namespace) -> None:
     from qil_worker.model import Qwen3
 
     torch.set_num_threads(args.threads)
-    model = Qwen3.from_directory(args.model_dir, device="cpu", dtype=torch.float32)
-    tokenizer = None
-    if "text" in args.variants:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     out = []
     for variant in args.variants:
+        model_dir = args.model_dir / variant
+        model = Qwen3.from_directory(model_dir, device="cpu", dtype=torch.float32)
+        tokenizer = None
+        if variant == "text":
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
         for path in args.paths:
             for rows in args.rows:
-                out.append(measure(model, tokenizer, variant, path, rows, args.steps, args.warmup, args.seed))
+                out.append(
+                    measure(model, tokenizer, variant, path, rows, args.steps, args.warmup, args.seed, args.clock)
+                )
     print(json.dumps({"label": args.label, "qil_worker": _qil_worker_file(), "results": out}))
 
 
@@ -182,17 +193,24 @@ def _qil_worker_file() -> str:
 # -- the parent: model, checkouts, alternation, table --------------------------------------
 
 
-def make_model(directory: Path) -> Path:
-    """The text checkpoint of the tests (tokenizer + random model), with room for long prompts."""
+PLAIN_VOCAB = 64  # token-id prompts need no tokenizer: a vocabulary this small makes the
+# sampler's ops over [rows, vocab] cost their dispatch (host work), not their arithmetic
+
+
+def make_models(directory: Path) -> dict[str, Path]:
+    """Random checkpoints as the tests make them (``tests/checkpoints.py``), with room for long
+    prompts: ``plain`` with a vocabulary of ``PLAIN_VOCAB`` ids, ``text`` with a small local
+    tokenizer's (about 300)."""
     sys.path.insert(0, str(REPO))
     from tests.checkpoints import make_checkpoint, make_tokenizer
 
-    tokenizer = make_tokenizer(directory)
+    tokenizer = make_tokenizer(directory / "text")
     make_checkpoint(
-        directory, seed=5, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+        directory / "text", seed=5, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
         max_position_embeddings=4096,
     )
-    return directory
+    make_checkpoint(directory / "plain", seed=5, vocab_size=PLAIN_VOCAB, max_position_embeddings=4096)
+    return {"plain": directory / "plain", "text": directory / "text"}
 
 
 def overlay(rev: str, into: Path) -> Path:
@@ -222,7 +240,7 @@ def run_child(label: str, pythonpath: Path, args: argparse.Namespace, model_dir:
         sys.executable, str(Path(__file__).resolve()), "--child", "--label", label, "--model-dir", str(model_dir),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
         "--threads", str(args.threads), "--rows", *map(str, args.rows), "--variants", *args.variants,
-        "--paths", *args.paths,
+        "--paths", *args.paths, "--clock", args.clock,
     ]
     env = dict(os.environ, PYTHONPATH=str(pythonpath))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=pythonpath)
@@ -264,6 +282,11 @@ def main() -> None:
     p.add_argument("--before", metavar="REV", help="also run qil_worker/engine/ as of this git revision")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the forward's, not host work)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--clock", choices=("cpu", "wall"), default="cpu",
+        help="cpu: this thread's CPU time (time.thread_time: what the host spends, whatever else "
+        "the machine runs); wall: perf_counter",
+    )
     p.add_argument("--json", type=Path, help="write every round's results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--label", default="after", help=argparse.SUPPRESS)
@@ -273,7 +296,8 @@ def main() -> None:
         child(args)
         return
     with tempfile.TemporaryDirectory(prefix="qil-host-step-") as tmp:
-        model_dir = make_model(Path(tmp) / "model")
+        model_dir = Path(tmp) / "models"
+        make_models(model_dir)
         versions = {"after": REPO}
         if args.before:
             versions = {"before": overlay(args.before, Path(tmp)), **versions}
@@ -284,7 +308,10 @@ def main() -> None:
                 runs[label].append(run_child(label, versions[label], args, model_dir))
                 print(f"round {round_ + 1}: {label} done", file=sys.stderr, flush=True)
     print("command: python scripts/bench_host_step.py " + " ".join(sys.argv[1:]))
-    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; torch threads {args.threads}")
+    print(
+        f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; torch threads "
+        f"{args.threads}; clock: {'thread CPU time' if args.clock == 'cpu' else 'wall time'}"
+    )
     if args.before:
         print(f"before = qil_worker/engine/ at {args.before}; after = this tree")
     print(table(runs, labels))

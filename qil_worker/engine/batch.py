@@ -15,6 +15,7 @@ one LM-head call covers both and a step without the latter computes exactly the 
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -128,12 +129,12 @@ def _flat_tokens(ordered: list[ScheduledChunk]) -> _StepTokens:
 
 
 def page_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
-    """[chunks, most pages] long on the host: each chunk's page table, zero-padded, built from
-    one flat sequence (a nested list costs ``torch.tensor`` a Python call per row)."""
-    tables = [c.request.page_table.pages for c in chunks]
+    """[chunks, most pages] long on the host: each chunk's page table, zero-padded, copied from
+    the requests' ``page_ids`` arrays (no Python int per page)."""
+    tables = [c.request.page_ids() for c in chunks]
     width = max(len(t) for t in tables)
-    padding = [0] * width
-    flat: list[int] = []
+    padding = array("q", [0]) * width
+    flat = array("q")
     for t in tables:
         flat += t
         if len(t) < width:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from itertools import chain
 
 import torch
 
@@ -164,7 +163,7 @@ class DecodeGraphs:
     def _stage(self, chunks: list[ScheduledChunk], batch: int, pages: int) -> None:
         """Copy this step's ids, positions and page tables into the static buffers (padded)."""
         rows = len(chunks)
-        tables = [c.request.page_table.pages for c in chunks]
+        tables = [c.request.page_ids() for c in chunks]
         lengths = [len(t) for t in tables]
         pin = self._pin
         ids = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
@@ -176,7 +175,7 @@ class DecodeGraphs:
         row_of = torch.repeat_interleave(torch.arange(rows), counts)
         starts = counts.cumsum(0) - counts
         column = torch.arange(len(row_of)) - torch.repeat_interleave(starts, counts)
-        table[row_of, column] = host_tensor(chain.from_iterable(tables), torch.long)
+        table[row_of, column] = torch.frombuffer(bytearray().join(tables), dtype=torch.long)
         self._ids[:batch].copy_(ids, non_blocking=True)
         self._positions[:batch].copy_(positions, non_blocking=True)
         self._tables[:batch, :pages].copy_(table, non_blocking=True)

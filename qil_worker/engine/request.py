@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,8 +80,26 @@ class Request:
     # ``sampling`` as the sampler reads it every step (``sampling`` is fixed from construction on)
     sampling_row: SamplingRow = field(init=False, repr=False)
 
+    # ``page_ids``' copy of the page table, and the list it copies
+    _page_ids: array = field(default_factory=lambda: array("q"), init=False, repr=False)
+    _page_list: list[int] | None = field(default=None, init=False, repr=False)
+
     def __post_init__(self) -> None:
         self.sampling_row = SamplingRow.of(self.sampling)
+
+    def page_ids(self) -> array:
+        """The page table's pages as an int64 ``array`` (for a step's tensors), kept from step to
+        step: a page table's list only grows (``PageTable.grow``) until it is replaced by another
+        (released, forked, matched in the prefix cache), so only the pages added since the last
+        call are converted."""
+        pages = self.page_table.pages
+        ids = self._page_ids
+        if pages is not self._page_list or len(ids) > len(pages):
+            ids = self._page_ids = array("q", pages)
+            self._page_list = pages
+        elif len(ids) < len(pages):
+            ids.extend(pages[len(ids) :])
+        return ids
 
     @property
     def num_tokens(self) -> int:

@@ -26,11 +26,12 @@ def to_device(values: Sequence, device: torch.device, dtype: torch.dtype | None 
 
 def host_tensor(values: Iterable, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A 1-D CPU tensor of ``values`` (numbers; ints for integer dtypes), as ``torch.tensor``
-    makes it; ``dtype`` None infers it as ``torch.tensor`` does."""
+    makes it; ``dtype`` None infers it as ``torch.tensor`` does. An ``array`` of the dtype's
+    typecode is not copied: the tensor shares its memory."""
     code = _ARRAY_CODES.get(dtype)
     if code is None:
         return torch.tensor(values if isinstance(values, Sequence) else list(values), dtype=dtype)
-    buffer = array.array(code, values)
+    buffer = values if isinstance(values, array.array) and values.typecode == code else array.array(code, values)
     if not buffer:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype)
