@@ -128,12 +128,14 @@ def _flat_tokens(ordered: list[ScheduledChunk]) -> _StepTokens:
     )
 
 
-def page_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
-    """[chunks, most pages] long on the host: each chunk's page table, zero-padded, copied from
-    the requests' ``page_ids`` arrays (no Python int per page)."""
+def page_tables(chunks: list[ScheduledChunk], width: int | None = None, pad: int = 0) -> torch.Tensor:
+    """[chunks, width] long on the host: each chunk's page table padded with ``pad`` to
+    ``width`` (None: the longest table's), copied from the requests' ``page_ids`` arrays (no
+    Python int per page)."""
     tables = [c.request.page_ids() for c in chunks]
-    width = max(len(t) for t in tables)
-    padding = array("q", [0]) * width
+    if width is None:
+        width = max(len(t) for t in tables)
+    padding = array("q", [pad]) * width
     flat = array("q")
     for t in tables:
         flat += t

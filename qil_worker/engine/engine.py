@@ -363,7 +363,8 @@ class Engine:
             vocab = self.model.config.vocab_size
             if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
                 computed = sampled_chunks = chunks
-                self.sampler.prepare([c.request for c in sampled_chunks], vocab)
+                sampled_requests = [c.request for c in chunks]
+                self.sampler.prepare(sampled_requests, vocab)
                 logits = self.decode_graphs.run(chunks)
             else:
                 batch = build_step_batch(
@@ -371,14 +372,14 @@ class Engine:
                 )
                 self.kv.check_reads(batch.attention)
                 computed, sampled_chunks = batch.chunks, batch.sampled
-                self.sampler.prepare([c.request for c in sampled_chunks], vocab)
+                sampled_requests = [c.request for c in sampled_chunks]
+                self.sampler.prepare(sampled_requests, vocab)
                 logits = self.model(
                     batch.input_ids, batch.positions, batch.attention, self.kv, batch.logit_indices
                 )
                 if batch.prompt_rows:  # the rows after the sampled ones score prompt tokens
                     prompt_logprobs.score(logits[len(sampled_chunks):], batch.prompt_rows)
                     logits = logits[: len(sampled_chunks)]
-            sampled_requests = [c.request for c in sampled_chunks]
             forks = samples.forking(sampled_requests)  # n-requests whose prompt is computed now
             logits, sampled_requests = samples.with_fork_rows(logits, sampled_requests, forks)
             sampled = self.sampler.sample(logits, sampled_requests)

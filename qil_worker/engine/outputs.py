@@ -112,8 +112,8 @@ class RequestMetrics:
     def record_token(self, now: float) -> None:
         if self.first_token_time is None:
             self.first_token_time = now
-        elif self.last_token_time is not None:
-            self.max_inter_token_latency = max(self.max_inter_token_latency, now - self.last_token_time)
+        elif self.last_token_time is not None and now - self.last_token_time > self.max_inter_token_latency:
+            self.max_inter_token_latency = now - self.last_token_time
         self.last_token_time = now
 
 

@@ -142,7 +142,10 @@ class Scheduler:
         k = self._rotation % len(self.running)
         self._rotation += 1
         rotated = self.running[k:] + self.running[:k]
-        return sorted(rotated, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        decodes = [r for r in rotated if r.num_tokens - r.num_computed_tokens <= 1]
+        if len(decodes) == len(rotated):
+            return rotated
+        return decodes + [r for r in rotated if r.num_tokens - r.num_computed_tokens > 1]
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
         """After the forward: the chunks' tokens are in the KV cache; index full prompt pages."""
