@@ -197,20 +197,21 @@ PLAIN_VOCAB = 64  # token-id prompts need no tokenizer: a vocabulary this small 
 # sampler's ops over [rows, vocab] cost their dispatch (host work), not their arithmetic
 
 
-def make_models(directory: Path) -> dict[str, Path]:
+def make_models(directory: Path, variants: list[str]) -> None:
     """Random checkpoints as the tests make them (``tests/checkpoints.py``), with room for long
-    prompts: ``plain`` with a vocabulary of ``PLAIN_VOCAB`` ids, ``text`` with a small local
-    tokenizer's (about 300)."""
+    prompts, in ``directory / variant``: ``plain`` with a vocabulary of ``PLAIN_VOCAB`` ids,
+    ``text`` with a small local tokenizer's (about 300)."""
     sys.path.insert(0, str(REPO))
     from tests.checkpoints import make_checkpoint, make_tokenizer
 
-    tokenizer = make_tokenizer(directory / "text")
-    make_checkpoint(
-        directory / "text", seed=5, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-        max_position_embeddings=4096,
-    )
-    make_checkpoint(directory / "plain", seed=5, vocab_size=PLAIN_VOCAB, max_position_embeddings=4096)
-    return {"plain": directory / "plain", "text": directory / "text"}
+    if "text" in variants:
+        tokenizer = make_tokenizer(directory / "text")
+        make_checkpoint(
+            directory / "text", seed=5, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+            max_position_embeddings=4096,
+        )
+    if "plain" in variants:
+        make_checkpoint(directory / "plain", seed=5, vocab_size=PLAIN_VOCAB, max_position_embeddings=4096)
 
 
 def overlay(rev: str, into: Path) -> Path:
@@ -297,7 +298,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="qil-host-step-") as tmp:
         model_dir = Path(tmp) / "models"
-        make_models(model_dir)
+        make_models(model_dir, args.variants)
         versions = {"after": REPO}
         if args.before:
             versions = {"before": overlay(args.before, Path(tmp)), **versions}

@@ -16,7 +16,10 @@ import copy
 import dataclasses
 import math
 import random
+import subprocess
+import sys
 from array import array
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +233,19 @@ def test_fast_paths_give_the_general_paths_events(model, monkeypatch, cuda_graph
     assert {FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED} <= reasons
     assert any(r[1] == 2 for r in fast_results)  # a third sample of an n = 3 request
     assert any(e[6] is not None and e[7] for e in fast_events)  # logprobs with top alternatives
+
+
+def test_the_host_step_benchmark_prints_every_phase_before_and_after():
+    """``scripts/bench_host_step.py`` end to end at tiny sizes, A/B against this very commit."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_host_step.py"), "--before", "HEAD", "--rounds", "1",
+         "--rows", "3", "--steps", "2", "--warmup", "1", "--variants", "plain", "--paths", "eager", "padded"],
+        capture_output=True, text=True, timeout=600, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "plain / eager / 3 rows" in out and "plain / padded / 3 rows" in out
+    assert "before     after   ratio" in out and "load average" in out
+    for phase in ("schedule", "build", "attn-meta", "prepare", "sample", "accept", "host", "forward"):
+        assert out.count(f"\n  {phase} ") == 2, phase

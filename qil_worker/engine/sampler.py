@@ -49,8 +49,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         """``logits`` [S, vocab] (row i belongs to ``requests[i]``) → one token per request.
 
-        The step's only host synchronisation is the final ``tolist``. A batch whose requests
-        are all ``plain`` (``SamplingRow``) reads only each request's derived row, once.
+        The step's only host synchronisation is the final ``tolist``. Each request's
+        ``sampling_row`` (derived once) gives what every step needs of it; a batch of ``plain``
+        rows skips the logit-bias, penalty, min-tokens and logprob checks altogether.
         """
         rows = [r.sampling_row for r in requests]
         device = logits.device
