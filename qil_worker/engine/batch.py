@@ -15,6 +15,7 @@ one LM-head call covers both and a step without the latter computes exactly the 
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from qil_worker.attention.backend import AttentionBackend, StepAttention, StepLayout
 from qil_worker.engine.prompt_logprobs import PromptRows
 from qil_worker.engine.scheduler import ScheduledChunk
-from qil_worker.engine.transfer import to_device
+from qil_worker.engine.transfer import host_tensor, to_device
 from qil_worker.kv.slots import kv_slots
 
 
@@ -47,19 +48,64 @@ def build_step_batch(
     device: torch.device,
 ) -> StepBatch:
     """``query_groups``: query heads per KV head (the GQA fold of the attention mask)."""
-    groups_of_chunks = attention_groups([c for c in chunks if c.num_tokens == 1]) + attention_groups(
-        [c for c in chunks if c.num_tokens > 1]
-    )
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    groups_of_chunks = attention_groups(decodes) + attention_groups([c for c in chunks if c.num_tokens > 1])
     ordered = [c for group in groups_of_chunks for c in group]
+    if len(decodes) == len(ordered) and all(c.request.prompt_logprobs is None for c in ordered):
+        tokens = _one_token_each(ordered)
+    else:
+        tokens = _flat_tokens(ordered)
 
+    tables = page_tables(ordered).to(device, non_blocking=True)
+    positions_t = to_device(tokens.positions, device, torch.long)
+    rows_t = tokens.rows.to(device, non_blocking=True)
+    slot_mapping = kv_slots(tables, positions_t, page_size, rows=rows_t)
+    layout = StepLayout(groups_of_chunks, tables, slot_mapping, page_size, query_groups, device)
+    return StepBatch(
+        input_ids=to_device(tokens.input_ids, device, torch.long),
+        positions=positions_t,
+        attention=attention.step_metadata(layout),
+        logit_indices=to_device(tokens.logit_indices, device, torch.long),
+        sampled=tokens.sampled,
+        chunks=ordered,
+        prompt_rows=tokens.prompt_rows,
+    )
+
+
+@dataclass
+class _StepTokens:
+    """The step's flat tokens on the host, before they become tensors."""
+
+    input_ids: list[int]
+    positions: list[int]
+    rows: torch.Tensor  # [T] the chunk (row of ``ordered``) of each token
+    logit_indices: list[int]  # the sampled tokens, then the scored prompt positions
+    sampled: list[ScheduledChunk]
+    prompt_rows: list[PromptRows]
+
+
+def _one_token_each(ordered: list[ScheduledChunk]) -> _StepTokens:
+    """A step of one-token chunks (decodes), none scoring its prompt: token i is chunk i's."""
+    sampled_rows = [row for row, c in enumerate(ordered) if c.samples]
+    return _StepTokens(
+        input_ids=[c.request.token_at(c.start) for c in ordered],
+        positions=[c.start for c in ordered],
+        rows=torch.arange(len(ordered)),
+        logit_indices=sampled_rows,
+        sampled=[ordered[row] for row in sampled_rows],
+        prompt_rows=[],
+    )
+
+
+def _flat_tokens(ordered: list[ScheduledChunk]) -> _StepTokens:
+    """Any step: every chunk's tokens in order, and the prompt positions scored on the way."""
     input_ids: list[int] = []
     positions: list[int] = []
-    rows: list[int] = []
     sample_indices: list[int] = []
     sampled: list[ScheduledChunk] = []
     prompt_indices: list[int] = []
     prompt_rows: list[PromptRows] = []
-    for row, chunk in enumerate(ordered):
+    for chunk in ordered:
         if chunk.request.prompt_logprobs is not None:
             scored = chunk.request.prompt_logprobs.positions(chunk.start, chunk.end)
             if scored:
@@ -68,29 +114,34 @@ def build_step_batch(
                 prompt_rows.append(PromptRows(chunk.request, scored.start, len(scored)))
         input_ids.extend(chunk.request.token_ids(chunk.start, chunk.end))
         positions.extend(range(chunk.start, chunk.end))
-        rows.extend([row] * chunk.num_tokens)
         if chunk.samples:
             sample_indices.append(len(input_ids) - 1)
             sampled.append(chunk)
-
-    max_pages = max(len(c.request.page_table.pages) for c in ordered)
-    tables = torch.tensor(
-        [c.request.page_table.pages + [0] * (max_pages - len(c.request.page_table.pages)) for c in ordered],
-        dtype=torch.long,
-    ).to(device, non_blocking=True)
-    positions_t = to_device(positions, device, torch.long)
-    rows_t = to_device(rows, device, torch.long)
-    slot_mapping = kv_slots(tables, positions_t, page_size, rows=rows_t)
-    layout = StepLayout(groups_of_chunks, tables, slot_mapping, page_size, query_groups, device)
-    return StepBatch(
-        input_ids=to_device(input_ids, device, torch.long),
-        positions=positions_t,
-        attention=attention.step_metadata(layout),
-        logit_indices=to_device(sample_indices + prompt_indices, device, torch.long),
+    lengths = host_tensor([c.num_tokens for c in ordered], torch.long)
+    return _StepTokens(
+        input_ids=input_ids,
+        positions=positions,
+        rows=torch.repeat_interleave(torch.arange(len(ordered)), lengths),
+        logit_indices=sample_indices + prompt_indices,
         sampled=sampled,
-        chunks=ordered,
         prompt_rows=prompt_rows,
     )
+
+
+def page_tables(chunks: list[ScheduledChunk], width: int | None = None, pad: int = 0) -> torch.Tensor:
+    """[chunks, width] long on the host: each chunk's page table padded with ``pad`` to
+    ``width`` (None: the longest table's), copied from the requests' ``page_ids`` arrays (no
+    Python int per page)."""
+    tables = [c.request.page_ids() for c in chunks]
+    if width is None:
+        width = max(len(t) for t in tables)
+    padding = array("q", [pad]) * width
+    flat = array("q")
+    for t in tables:
+        flat += t
+        if len(t) < width:
+            flat += padding[len(t) :]
+    return host_tensor(flat, torch.long).view(len(tables), width)
 
 
 MAX_PADDING = 1.3  # a group's padded attention work may be at most this times its real work

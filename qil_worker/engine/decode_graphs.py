@@ -24,12 +24,13 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from itertools import chain
 
 import torch
 
 from qil_worker.attention.backend import AttentionBackend
+from qil_worker.engine.batch import page_tables
 from qil_worker.engine.scheduler import ScheduledChunk
+from qil_worker.engine.transfer import host_tensor
 from qil_worker.kv import KVCache
 from qil_worker.model import Qwen3
 
@@ -163,18 +164,13 @@ class DecodeGraphs:
     def _stage(self, chunks: list[ScheduledChunk], batch: int, pages: int) -> None:
         """Copy this step's ids, positions and page tables into the static buffers (padded)."""
         rows = len(chunks)
-        tables = [c.request.page_table.pages for c in chunks]
-        lengths = [len(t) for t in tables]
         pin = self._pin
         ids = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
         positions = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
-        ids[:rows] = torch.tensor([c.request.token_ids(c.start, c.end)[0] for c in chunks])
-        positions[:rows] = torch.tensor([c.start for c in chunks])
+        ids[:rows] = host_tensor([c.request.token_at(c.start) for c in chunks], torch.long)
+        positions[:rows] = host_tensor([c.start for c in chunks], torch.long)
         table = torch.full((batch, pages), self.kv.scratch_page, dtype=torch.long, pin_memory=pin)
-        row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths))
-        starts = torch.tensor(list(chain([0], lengths[:-1]))).cumsum(0)
-        column = torch.arange(len(row_of)) - torch.repeat_interleave(starts, torch.tensor(lengths))
-        table[row_of, column] = torch.tensor(list(chain.from_iterable(tables)), dtype=torch.long)
+        table[:rows] = page_tables(chunks, pages, pad=self.kv.scratch_page)
         self._ids[:batch].copy_(ids, non_blocking=True)
         self._positions[:batch].copy_(positions, non_blocking=True)
         self._tables[:batch, :pages].copy_(table, non_blocking=True)

@@ -363,7 +363,8 @@ class Engine:
             vocab = self.model.config.vocab_size
             if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
                 computed = sampled_chunks = chunks
-                self.sampler.prepare([c.request for c in sampled_chunks], vocab)
+                sampled_requests = [c.request for c in chunks]
+                self.sampler.prepare(sampled_requests, vocab)
                 logits = self.decode_graphs.run(chunks)
             else:
                 batch = build_step_batch(
@@ -371,14 +372,14 @@ class Engine:
                 )
                 self.kv.check_reads(batch.attention)
                 computed, sampled_chunks = batch.chunks, batch.sampled
-                self.sampler.prepare([c.request for c in sampled_chunks], vocab)
+                sampled_requests = [c.request for c in sampled_chunks]
+                self.sampler.prepare(sampled_requests, vocab)
                 logits = self.model(
                     batch.input_ids, batch.positions, batch.attention, self.kv, batch.logit_indices
                 )
                 if batch.prompt_rows:  # the rows after the sampled ones score prompt tokens
                     prompt_logprobs.score(logits[len(sampled_chunks):], batch.prompt_rows)
                     logits = logits[: len(sampled_chunks)]
-            sampled_requests = [c.request for c in sampled_chunks]
             forks = samples.forking(sampled_requests)  # n-requests whose prompt is computed now
             logits, sampled_requests = samples.with_fork_rows(logits, sampled_requests, forks)
             sampled = self.sampler.sample(logits, sampled_requests)
@@ -401,13 +402,13 @@ class Engine:
         for row, group in forks:  # before any token is accepted: a sample that ends holds the pages
             samples.fork(sampled_requests[row], group, self.scheduler, self.pool, self.kv)
         now = time.perf_counter()
-        for i, request in enumerate(sampled_requests):
-            event = self._accept_token(
-                request, sampled.tokens[i], now, sampled.logprobs[i], sampled.top_logprobs[i]
-            )
+        accept = self._accept_token
+        chosen = zip(sampled_requests, sampled.tokens, sampled.logprobs, sampled.top_logprobs)
+        for request, token, logprob, top in chosen:
+            event = accept(request, token, now, logprob, top)
             if request.prompt_logprobs is not None:
                 event = request.prompt_logprobs.attach(event)
-            events.append(samples.tagged(event, request))
+            events.append(event if request.group is None else samples.tagged(event, request))
         return events
 
     def _accept_token(
@@ -419,35 +420,36 @@ class Engine:
         top_logprobs: list[tuple[int, float]] | None,
     ) -> Event:
         try:
-            if request.grammar is not None:
-                refused = request.grammar.advance(token)
+            grammar, text_out = request.grammar, request.text
+            if grammar is not None:
+                refused = grammar.advance(token)
                 if refused is not None:  # a lexer limit, or a token the mask should have forbidden
                     return self._fail(request, f"constraint: {refused}")
-            request.output_token_ids.append(token)
+            output = request.output_token_ids
+            output.append(token)
             request.metrics.record_token(now)
-            text = request.text.push(token) if request.text is not None else None
+            text = text_out.push(token) if text_out is not None else None
             reason = None
             if token in request.stop_token_ids:
                 reason, request.stop_reason = FinishReason.STOP, token
-            elif request.text is not None and request.text.matched_stop is not None:
-                reason, request.stop_reason = FinishReason.STOP, request.text.matched_stop
-            elif request.grammar is not None and request.grammar.stopped:
+            elif text_out is not None and text_out.matched_stop is not None:
+                reason, request.stop_reason = FinishReason.STOP, text_out.matched_stop
+            elif grammar is not None and grammar.stopped:
                 reason = FinishReason.STOP  # the structure is complete; nothing may follow
-            elif len(request.output_token_ids) >= request.max_new_tokens:
+            elif len(output) >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
-            index = len(request.output_token_ids) - 1
             result = None
             if reason is not None:
-                if request.text is not None:
-                    text += request.text.finish()
-                    if reason is FinishReason.LENGTH and request.text.matched_stop is not None:
+                if text_out is not None:
+                    text += text_out.finish()
+                    if reason is FinishReason.LENGTH and text_out.matched_stop is not None:
                         # the last characters, released only now, completed a stop string
-                        reason, request.stop_reason = FinishReason.STOP, request.text.matched_stop
+                        reason, request.stop_reason = FinishReason.STOP, text_out.matched_stop
                 self._finish(request, reason)
                 result = self._retire(request)
-            return Event(
-                request.request_id, token, index, reason is not None, reason, None, logprob,
-                top_logprobs, text, request.stop_reason, result,
+            return Event.of_token(
+                request.request_id, token, len(output) - 1, reason, logprob, top_logprobs, text, request.stop_reason,
+                result,
             )
         except Exception as exc:  # a fault of this request only
             log.exception("request %s failed", request.request_id)

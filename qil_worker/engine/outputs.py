@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 
 class FinishReason(str, enum.Enum):
@@ -58,6 +58,44 @@ class Event:
         """Whether the request as a whole ended with this event (its last sample's end)."""
         return self.finished and self.samples_running == 0
 
+    @classmethod
+    def of_token(
+        cls,
+        request_id: str,
+        token_id: int,
+        index: int,
+        finish_reason: "FinishReason | None",
+        logprob: float | None,
+        top_logprobs: list[tuple[int, float]] | None,
+        text: str | None,
+        stop_reason: int | str | None,
+        result: "Result | None",
+    ) -> "Event":
+        """``Event(request_id, token_id, index, finish_reason is not None, finish_reason, None,
+        logprob, top_logprobs, text, stop_reason, result)``, the engine's token event, made by
+        filling the instance's dict at once: a frozen dataclass's ``__init__`` sets each of its
+        fields through ``object.__setattr__``, and the engine makes one event per request per
+        step."""
+        event = object.__new__(cls)
+        values = event.__dict__
+        values.update(_EVENT_DEFAULTS)
+        values["request_id"] = request_id
+        values["token_id"] = token_id
+        values["index"] = index
+        if finish_reason is not None:
+            values["finished"] = True
+            values["finish_reason"] = finish_reason
+        values["logprob"] = logprob
+        values["top_logprobs"] = top_logprobs
+        values["text"] = text
+        values["stop_reason"] = stop_reason
+        values["result"] = result
+        return event
+
+
+# every field of ``Event`` at its default (None for the three without), in field order
+_EVENT_DEFAULTS = {f.name: None if f.default is MISSING else f.default for f in fields(Event)}
+
 
 @dataclass
 class RequestMetrics:
@@ -74,8 +112,8 @@ class RequestMetrics:
     def record_token(self, now: float) -> None:
         if self.first_token_time is None:
             self.first_token_time = now
-        elif self.last_token_time is not None:
-            self.max_inter_token_latency = max(self.max_inter_token_latency, now - self.last_token_time)
+        elif self.last_token_time is not None and now - self.last_token_time > self.max_inter_token_latency:
+            self.max_inter_token_latency = now - self.last_token_time
         self.last_token_time = now
 
 

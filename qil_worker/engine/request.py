@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,26 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"  # admitted, holds pages for its computed tokens
     FINISHED = "finished"  # ended for good; holds no pages
     UNFORKED = "unforked"  # a later sample of an n-request, in no queue until sample 0 forks it
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler reads of a request's ``SamplingParams`` in every step, derived once."""
+
+    greedy: bool
+    divisor: float  # what the row's logits are divided by: the temperature, 1.0 when greedy
+    truncated: bool  # top-k, top-p or min-p
+    # temperature and truncation are all: no logit_bias, penalties, min_new_tokens or logprobs
+    plain: bool
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> "SamplingRow":
+        return cls(
+            greedy=p.greedy,
+            divisor=1.0 if p.greedy else p.temperature,
+            truncated=p.truncated,
+            plain=not (p.logit_bias or p.penalized or p.min_new_tokens or p.logprobs or p.top_logprobs),
+        )
 
 
 @dataclass(eq=False)
@@ -56,6 +77,29 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None  # collected while the prompt is computed, if asked
     sample_index: int = 0  # which of the request's samples this is (``engine.samples``)
     group: "SampleGroup | None" = None  # the request's samples when it has several
+    # ``sampling`` as the sampler reads it every step (``sampling`` is fixed from construction on)
+    sampling_row: SamplingRow = field(init=False, repr=False)
+
+    # ``page_ids``' copy of the page table, and the list it copies
+    _page_ids: array = field(default_factory=lambda: array("q"), init=False, repr=False)
+    _page_list: list[int] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.sampling_row = SamplingRow.of(self.sampling)
+
+    def page_ids(self) -> array:
+        """The page table's pages as an int64 ``array`` (for a step's tensors), kept from step to
+        step: a page table's list only grows (``PageTable.grow``) until it is replaced by another
+        (released, forked, matched in the prefix cache), so only the pages added since the last
+        call are converted."""
+        pages = self.page_table.pages
+        ids = self._page_ids
+        if pages is not self._page_list or len(ids) > len(pages):
+            ids = self._page_ids = array("q", pages)
+            self._page_list = pages
+        elif len(ids) < len(pages):
+            ids.extend(pages[len(ids) :])
+        return ids
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +117,13 @@ class Request:
         if start >= len(prompt):
             return self.output_token_ids[start - len(prompt) : end - len(prompt)]
         return prompt[start:] + self.output_token_ids[: end - len(prompt)]
+
+    def token_at(self, position: int) -> int:
+        """Token ``position`` of prompt + output."""
+        prompt = self.prompt_token_ids
+        if position < len(prompt):
+            return prompt[position]
+        return self.output_token_ids[position - len(prompt)]
 
     def result(self) -> Result:
         return Result.of(

@@ -49,36 +49,50 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         """``logits`` [S, vocab] (row i belongs to ``requests[i]``) → one token per request.
 
-        The step's only host synchronisation is the final ``tolist``.
+        The step's only host synchronisation is the final ``tolist``. Each request's
+        ``sampling_row`` (derived once) gives what every step needs of it; a batch of ``plain``
+        rows skips the logit-bias, penalty, min-tokens and logprob checks altogether.
         """
-        params = [r.sampling for r in requests]
+        rows = [r.sampling_row for r in requests]
+        device = logits.device
         logits = logits.float()
         if any(r.grammar is not None for r in requests):
             logits = apply_grammar_masks(logits, requests, self.grammar_masks)
-        if any(p.logit_bias for p in params):
-            logits = apply_logit_bias(logits, params)
-        if any(p.penalized for p in params):
-            logits = apply_penalties(logits, requests)
-        logits = mask_stops_before_min_tokens(logits, requests)
-        greedy = all(p.greedy for p in params)
+        plain = all(row.plain for row in rows)
+        params = [r.sampling for r in requests]
+        if not plain:
+            if any(p.logit_bias for p in params):
+                logits = apply_logit_bias(logits, params)
+            if any(p.penalized for p in params):
+                logits = apply_penalties(logits, requests)
+            logits = mask_stops_before_min_tokens(logits, requests)
+        greedy_rows = [row.greedy for row in rows]
+        greedy = all(greedy_rows)
         if not greedy:
-            temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
+            temps = to_device([row.divisor for row in rows], device, torch.float32)
             logits = logits / temps[:, None]
-        want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
+        want_logprobs = not plain and any(p.logprobs or p.top_logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        argmax = logits.argmax(dim=-1)
         if greedy:
-            tokens = argmax
+            tokens = logits.argmax(dim=-1)
         else:
-            if any(p.truncated for p in params):
+            some_greedy = any(greedy_rows)
+            argmax = logits.argmax(dim=-1) if some_greedy else None  # before truncation, as before the draw
+            if any(row.truncated for row in rows):
                 logits = truncate(logits, params)
             cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
-            u = to_device([uniform_for(r.seed, len(r.output_token_ids)) for r in requests], logits.device)
+            # greedy rows take the argmax below: their draw is never read, so none is derived
+            u = to_device(
+                [0.5 if row.greedy else uniform_for(r.seed, len(r.output_token_ids)) for r, row in zip(requests, rows)],
+                device, torch.float32,
+            )
             drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
             drawn = drawn.clamp_max(logits.shape[1] - 1)
-            is_greedy = to_device([p.greedy for p in params], logits.device)
-            tokens = torch.where(is_greedy, argmax, drawn)
+            if some_greedy:
+                tokens = torch.where(to_device(greedy_rows, device, torch.bool), argmax, drawn)
+            else:
+                tokens = drawn
 
         if logprobs is None:
             return SampleOutput(tokens.tolist(), [None] * len(requests), [None] * len(requests))

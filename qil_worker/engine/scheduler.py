@@ -23,7 +23,7 @@ from qil_worker.kv.prefix_cache import PrefixCache
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES, SHORTEST_FIRST_WINDOW
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """Tokens ``[start, start + num_tokens)`` of ``request`` are computed this step."""
 
@@ -109,21 +109,29 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             count = min(request.num_tokens - request.num_computed_tokens, self.prefill_chunk, budget)
-            while not request.page_table.grow(request.num_computed_tokens + count, self.pool):
-                victim = max(self.running, key=lambda r: r.admitted_seq)
-                preempted_any = True
-                undone = chosen.pop(victim, None)
-                if undone is not None:
-                    budget += undone.num_tokens
-                self._preempt(victim)
-                if victim is request:
-                    break
-            else:
-                chosen[request] = ScheduledChunk(request, request.num_computed_tokens, count)
-                budget -= count
+            table = request.page_table
+            # most steps need no new page (a decode takes one every page_size tokens): test that first
+            if request.num_computed_tokens + count > len(table.pages) * table.page_size:
+                preempted_itself = False
+                while not table.grow(request.num_computed_tokens + count, self.pool):
+                    victim = max(self.running, key=lambda r: r.admitted_seq)
+                    preempted_any = True
+                    undone = chosen.pop(victim, None)
+                    if undone is not None:
+                        budget += undone.num_tokens
+                    self._preempt(victim)
+                    if victim is request:
+                        preempted_itself = True
+                        break
+                if preempted_itself:
+                    continue
+            chosen[request] = ScheduledChunk(request, request.num_computed_tokens, count)
+            budget -= count
         if not preempted_any:
-            for chunk in chosen.values():
-                self._announce(chunk)
+            if self.prefix_cache is not None:
+                for chunk in chosen.values():
+                    if chunk.start < len(chunk.request.prompt_token_ids):  # decodes fill no prompt page
+                        self._announce(chunk)
             budget = self._admit(chosen, budget)
         return list(chosen.values())
 
@@ -134,15 +142,20 @@ class Scheduler:
         k = self._rotation % len(self.running)
         self._rotation += 1
         rotated = self.running[k:] + self.running[:k]
-        return sorted(rotated, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        decodes = [r for r in rotated if r.num_tokens - r.num_computed_tokens <= 1]
+        if len(decodes) == len(rotated):
+            return rotated
+        return decodes + [r for r in rotated if r.num_tokens - r.num_computed_tokens > 1]
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
         """After the forward: the chunks' tokens are in the KV cache; index full prompt pages."""
+        cache = self.prefix_cache
         for chunk in chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            if self.prefix_cache is not None:
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if cache is not None and chunk.start < len(request.prompt_token_ids):  # decodes fill no prompt page
                 for page in self._prompt_pages_filled(chunk):
-                    self.prefix_cache.insert(*page)
+                    cache.insert(*page)
 
     def _announce(self, chunk: ScheduledChunk) -> None:
         """Offer the prompt pages this chunk fills to requests admitted into the same step."""
@@ -153,10 +166,10 @@ class Scheduler:
     def _prompt_pages_filled(self, chunk: ScheduledChunk) -> list[tuple[int, list[int], int]]:
         """(hash, tokens, page) of every full prompt page whose last token this chunk computes."""
         request = chunk.request
-        if not request.page_hashes:
+        prompt = request.prompt_token_ids
+        if not request.page_hashes or chunk.start >= len(prompt):  # a decode fills no prompt page
             return []
         size = self.prefix_cache.page_size
-        prompt = request.prompt_token_ids
         first = min(chunk.start, len(prompt)) // size
         last = min(chunk.end, len(prompt)) // size
         return [
@@ -165,6 +178,8 @@ class Scheduler:
         ]
 
     def _admit(self, chosen: dict[Request, ScheduledChunk], budget: int) -> int:
+        if not self.waiting:
+            return budget
         # a request of n samples takes n slots from its admission on: its samples fork into
         # running when its prompt is computed (``engine.samples``)
         slots = len(self.running) + sum(len(unforked(r)) for r in self.running)
