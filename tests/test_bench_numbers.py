@@ -226,7 +226,7 @@ def test_engine_ratios_are_qil_over_transformers(monkeypatch):
 
     monkeypatch.setattr(be, "qil_run", timings(1.0, 0.1, 0.4))
     monkeypatch.setattr(be, "hf_run", timings(2.0, 0.2, 0.8))
-    args = argparse.Namespace(new_tokens=5, batch=2, prompt_len=4, page_size=16, token_budget=512,
+    args = argparse.Namespace(quantize="none", new_tokens=5, batch=2, prompt_len=4, page_size=16, token_budget=512,
                               prefill_chunk=512, prefix_cache=False, warmup=0, repeat=1)
     r = be.bench_dtype(args, Path("/nonexistent"), "float32", [[1, 2, 3, 4]] * 2)
     assert r["single"]["qil"]["decode_tok_s"] == pytest.approx(10.0)  # 4 gaps after the first token
