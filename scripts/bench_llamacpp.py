@@ -254,7 +254,8 @@ def staged_checkpoint(model_dir: Path, tokenizer_dir: Path) -> Path:
 
 def ensure_gguf(llama: LlamaCpp, model_dir: Path, tokenizer_dir: Path, outtype: str, skip: bool) -> Path:
     out = LLAMA_CACHE / "gguf" / f"{model_dir.name}-{outtype}.gguf"
-    if out.exists():
+    newest_source = max(f.stat().st_mtime for f in [*model_dir.iterdir(), *tokenizer_dir.iterdir()])
+    if out.exists() and out.stat().st_mtime >= newest_source:
         return out
     if skip:
         raise SystemExit(f"--skip-build: {out} was not converted")
@@ -284,11 +285,11 @@ def ensure_gguf(llama: LlamaCpp, model_dir: Path, tokenizer_dir: Path, outtype: 
 # --------------------------------------------------------------------------------------------
 
 
-def run_tool(cmd: list[str]) -> str:
+def run_tool(cmd: list[str]) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    return r.stdout + r.stderr  # batched-bench logs its records to stderr
+    return r
 
 
 def llamacpp_round(llama: LlamaCpp, gguf: Path, args) -> tuple[dict[str, float], dict]:
@@ -296,19 +297,18 @@ def llamacpp_round(llama: LlamaCpp, gguf: Path, args) -> tuple[dict[str, float],
     threads = str(args.threads)
     bench = [str(llama.tool("llama-bench")), "-m", str(gguf), "-t", threads, "-r", str(args.llama_reps),
              "-o", "json"]
-    pp_text = subprocess.run(bench + ["-p", str(args.prompt_len), "-n", "0"], capture_output=True,
-                             text=True, check=True).stdout
-    tg_text = subprocess.run(bench + ["-p", "0", "-n", str(args.new_tokens), "-d", str(args.prompt_len)],
-                             capture_output=True, text=True, check=True).stdout
+    pp_text = run_tool(bench + ["-p", str(args.prompt_len), "-n", "0"]).stdout
+    tg_text = run_tool(bench + ["-p", "0", "-n", str(args.new_tokens), "-d", str(args.prompt_len)]).stdout
     pp = parse_llama_bench(pp_text)[(args.prompt_len, 0, 0)]
     tg = parse_llama_bench(tg_text)[(0, args.new_tokens, args.prompt_len)]
     batches = (1, *BATCHES)
     ctx = max(batches) * (args.prompt_len + args.new_tokens)
-    batched = parse_batched_bench(run_tool([
+    r = run_tool([
         str(llama.tool("llama-batched-bench")), "-m", str(gguf), "-t", threads, "-tb", threads,
         "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(args.prompt_len),
         "-ntg", str(args.new_tokens), "-npl", ",".join(map(str, batches)), "--output-format", "jsonl",
-    ]))
+    ])
+    batched = parse_batched_bench(r.stdout + r.stderr)  # where its log lines go depends on the build
     missing = [b for b in batches if b not in batched]
     if missing:
         raise RuntimeError(f"llama-batched-bench gave no record for batch {missing} (context {ctx})")
