@@ -20,7 +20,9 @@ threads on both sides (default 2), random prompt tokens:
   decode b=1    tokens/s of --new-tokens tokens after a --prompt-len prompt. llama.cpp:
                 ``llama-bench -p 0 -n N -d 128``; qil: N engine steps after the prefill.
   decode b=8/16 tokens/s counting every row: B prompts prefilled, then N steps of B tokens.
-                llama.cpp: ``llama-batched-bench -npp 128 -ntg N -npl 1,8,16`` (S_TG); qil: the
+                llama.cpp: ``llama-batched-bench -npp 128 -ntg N -npl 1,8,16 -pps`` (S_TG; the
+                prompt is prefilled once and copied to every row's own cache, which the timed
+                steps do not see but which saves the untimed prefill of B prompts); qil: the
                 engine (in-process, as bench_engine.py) with all B prompts prefilled in one step.
                 llama-batched-bench's own b=1 is printed as a cross-check of llama-bench's.
 
@@ -306,7 +308,7 @@ def llamacpp_round(llama: LlamaCpp, gguf: Path, args) -> tuple[dict[str, float],
     r = run_tool([
         str(llama.tool("llama-batched-bench")), "-m", str(gguf), "-t", threads, "-tb", threads,
         "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(args.prompt_len),
-        "-ntg", str(args.new_tokens), "-npl", ",".join(map(str, batches)), "--output-format", "jsonl",
+        "-ntg", str(args.new_tokens), "-npl", ",".join(map(str, batches)), "-pps", "--output-format", "jsonl",
     ])
     batched = parse_batched_bench(r.stdout + r.stderr)  # where its log lines go depends on the build
     missing = [b for b in batches if b not in batched]
