@@ -30,6 +30,7 @@ import pytest
 
 from qil_client import Client, pb
 from service_fixtures import serve_process, stop_server_process, wait_until
+from test_wire_scan import varint
 
 # the stream's summed delay beyond twice its median gap, per prompt (see the module docstring)
 EXCESS_PER_PROMPT_S = 0.5
@@ -156,22 +157,13 @@ def raw_call(channel: grpc.Channel, method: str, data: bytes) -> tuple[grpc.Stat
     # StreamEvents: the submit frame, then half-close; its answers are in-band
     call = channel.stream_stream(SERVICE + method, request_serializer=bytes,
                                  response_deserializer=pb.StreamEventsResponse.FromString)
-    frame = b"\x0a" + _varint(len(data)) + data
+    frame = b"\x0a" + varint(len(data)) + data
     answers: list = []
     try:
         answers.extend(call(iter([frame]), timeout=60))
         return grpc.StatusCode.OK, "", answers
     except grpc.RpcError as err:
         return err.code(), err.details(), answers
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def outcome(answer: tuple[grpc.StatusCode, str, list]) -> tuple:
@@ -246,7 +238,7 @@ def produced(answer: tuple[grpc.StatusCode, str, list]) -> tuple[list[int], list
 
 @pytest.mark.parametrize("method", ["Submit", "Generate", "StreamEvents"])
 def test_an_outsized_submit_that_fits_but_does_not_parse_is_invalid_argument(demo, method):
-    bad = b"\x2a" + _varint(2**20 + 2) + b"\xff" * (2**20 + 2)  # text: not UTF-8
+    bad = b"\x2a" + varint(2**20 + 2) + b"\xff" * (2**20 + 2)  # text: not UTF-8
     code, details, _ = raw_call(demo, method, bad + pb.SubmitRequest(text="hello").SerializeToString())
     field = "frame" if method == "StreamEvents" else "request"
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(f"{field}: undecodable qil.v1."), details
@@ -255,7 +247,7 @@ def test_an_outsized_submit_that_fits_but_does_not_parse_is_invalid_argument(dem
 @pytest.mark.parametrize("method", ["Submit", "Generate", "StreamEvents"])
 def test_a_refused_outsized_text_is_never_decoded(demo, method):
     # what shows that the prompt was not decoded: its UTF-8 is not checked when its size refuses it
-    bad = b"\x2a" + _varint(10 * 2**20) + b"\xff" * (10 * 2**20) + b"\x18\x02"  # max_new_tokens 2
+    bad = b"\x2a" + varint(10 * 2**20) + b"\xff" * (10 * 2**20) + b"\x18\x02"  # max_new_tokens 2
     fast = raw_call(demo, method, bad)
     said = fast[1] if method != "StreamEvents" else f"{fast[2][0].error.field}: {fast[2][0].error.message}"
     assert said.startswith("max_new_tokens: prompt (at least "), said
