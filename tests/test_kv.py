@@ -38,3 +38,18 @@ def test_debug_mode_refuses_to_read_unwritten_slots():
     kv.forget_pages([0])
     with pytest.raises(AssertionError, match="2 unwritten"):
         kv.check_readable(torch.tensor([[0, 1]]), torch.tensor([2]))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_range_slots_are_kv_slots_of_the_same_positions(page_size):
+    from qil_worker.kv.slots import kv_slots, range_slots
+
+    gen = torch.Generator().manual_seed(page_size)
+    for width in (1, 3, 9):
+        tables = torch.randint(0, 100, (5, width), generator=gen)
+        for first_page in range(width):
+            for length in range(1, (width - first_page) * page_size + 1):  # aligned and not
+                start = first_page * page_size
+                want = kv_slots(tables, torch.arange(start, start + length), page_size)
+                got = range_slots(tables, first_page, length, page_size)
+                assert torch.equal(got, want), (width, first_page, length)

@@ -46,10 +46,10 @@ class CpuAttention(GatherSdpa):
         if len(members) < 2:
             return 0
         limit = min(c.start for c in members) // page_size
-        shared = 0
-        for column in zip(*(c.request.page_table.pages[:limit] for c in members)):
-            if any(page != column[0] for page in column):
-                break
+        tables = [c.request.page_table.pages for c in members]
+        first = tables[0]
+        shared = 0  # column by column, stopping at the first row that differs (mostly row 2)
+        while shared < limit and all(table[shared] == first[shared] for table in tables):
             shared += 1
         return shared if shared * page_size >= MIN_SHARED_PREFIX_TOKENS else 0
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from qil_worker.attention.backend import AttentionBackend, StepAttention, StepLayout
 from qil_worker.attention.names import SDPA
-from qil_worker.kv.slots import kv_slots
+from qil_worker.kv.slots import kv_slots, range_slots
 
 if TYPE_CHECKING:
     from qil_worker.engine.scheduler import ScheduledChunk
@@ -141,12 +141,20 @@ class GatherSdpa(AttentionBackend):
         shared = self.shared_prefix_pages(members, page_size) if q_max == 1 else 0
         prefix_tokens = shared * page_size
         key_positions = torch.arange(prefix_tokens, l_max, device=device)
-        # Padded query rows look at key 0 only (always written), so no row is fully masked.
-        query_positions = torch.zeros(batch, q_max, dtype=torch.long)
+        # [batch, q_max]: each chunk's positions start.. end-1; padded query rows look at key 0
+        # only (always written), so no row is fully masked. Made from two host lists in a few
+        # tensor ops: a Python loop over the members costs milliseconds at hundreds of requests.
+        starts = torch.tensor([c.start for c in members], dtype=torch.long)[:, None]
         pad_index: list[int] = []
-        for b, c in enumerate(members):
-            query_positions[b, : c.num_tokens] = torch.arange(c.start, c.end)
-            pad_index.extend(range(b * q_max, b * q_max + c.num_tokens))
+        if q_max == 1:
+            query_positions = starts
+        else:
+            counts = [c.num_tokens for c in members]
+            offsets = torch.arange(q_max)
+            valid = offsets < torch.tensor(counts, dtype=torch.long)[:, None]
+            query_positions = torch.where(valid, starts + offsets, 0)
+            for b, n in enumerate(counts):
+                pad_index.extend(range(b * q_max, b * q_max + n))
         query_positions = query_positions.to(device, non_blocking=True)
         mask = key_positions[None, None, :] <= query_positions[:, :, None]  # [B, q_max, l_max]
         mask = mask.repeat_interleave(step.query_groups, dim=1).unsqueeze(1)
@@ -156,7 +164,7 @@ class GatherSdpa(AttentionBackend):
             batch=batch,
             q_max=q_max,
             pad_index=None if q_max == 1 else torch.tensor(pad_index).to(device, non_blocking=True),
-            key_slots=kv_slots(tables, key_positions, page_size),
+            key_slots=range_slots(tables, shared, l_max - prefix_tokens, page_size),
             key_lengths=torch.tensor([c.end - prefix_tokens for c in members], dtype=torch.long),
             mask=mask,
             kernel=self.kernel(q_max),

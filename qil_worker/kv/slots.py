@@ -15,3 +15,14 @@ def kv_slots(
     """
     pages = tables[:, positions // page_size] if rows is None else tables[rows, positions // page_size]
     return pages * page_size + positions % page_size
+
+
+def range_slots(tables: torch.Tensor, first_page: int, length: int, page_size: int) -> torch.Tensor:
+    """``kv_slots(tables, arange(first_page * page_size, first_page * page_size + length))``: the
+    slots of ``length`` consecutive positions from a page boundary, in every row, [R, length] —
+    from the tables' pages broadcast against the offsets in a page, without indexing R x length
+    positions one by one."""
+    pages = tables[:, first_page : first_page + -(-length // page_size)]
+    offsets = torch.arange(page_size, device=tables.device)
+    slots = (pages[:, :, None] * page_size + offsets).reshape(tables.shape[0], -1)
+    return slots if slots.shape[1] == length else slots[:, :length]
