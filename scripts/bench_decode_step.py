@@ -4,8 +4,10 @@
 CUDA: steps replayed from CUDA graphs against eager. CPU: weights packed for oneDNN (as
 ``Qwen3.from_directory`` loads them) against the plain parameters (``pack_weights=False``).
 ``--quantize int8``: the model as loaded (``--dtype``) against its int8 weight-only quantization
-instead (``Qwen3.from_directory(quantize="int8")``). ``--attention A B``: attention backend A against B instead (e.g. ``sdpa varlen-packed``; CUDA
-graphs as the engine's default). For each batch size B: B requests with --prompt-len tokens (or
+instead (``Qwen3.from_directory(quantize="int8")``). ``--attention A B``: attention backend A
+against B instead (e.g. ``sdpa varlen-packed``; CUDA graphs as the engine's default).
+``--pack-hint A B`` (CPU): weights packed for oneDNN with batch hint A against hint B
+(``linear.PACK_BATCH_HINT``). For each batch size B: B requests with --prompt-len tokens (or
 lengths spread evenly over ``--prompt-len MIN MAX``) are prefilled, then --steps decode steps
 are timed (wall time of ``Engine.step()``, which ends with the host reading the sampled
 tokens). Prints ms/step and tokens/s for both, and the speed-up.
@@ -14,6 +16,7 @@ tokens). Prints ms/step and tokens/s for both, and the speed-up.
     python scripts/bench_decode_step.py --device cuda --attention sdpa varlen-packed --prompt-len 100 2000
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16 --quantize int8
+    python scripts/bench_decode_step.py --batch 1 8 --pack-hint 1 8
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def main(argv=None) -> int:
                    help="compare two attention backends (auto, sdpa, varlen, varlen-packed)")
     p.add_argument("--quantize", choices=("int8",), default=None,
                    help="compare the model as loaded with its int8 weight-only quantization")
+    p.add_argument("--pack-hint", type=int, nargs=2, default=None, metavar=("A", "B"),
+                   help="CPU: compare weights packed for oneDNN with batch hint A against hint B")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--page-size", type=int, default=16)
@@ -98,6 +103,15 @@ def main(argv=None) -> int:
         names = ("as-loaded", args.quantize)
         quantized = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype, quantize=args.quantize)
         reference, fast = (model, None, "auto"), (quantized, None, "auto")
+    elif args.pack_hint:
+        from qil_worker.model import linear
+
+        names = tuple(f"hint {h}" for h in args.pack_hint)
+        loaded = []
+        for hint in args.pack_hint:
+            linear.PACK_BATCH_HINT[model.dtype] = hint
+            loaded.append(Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype))
+        reference, fast = ((m, False, "auto") for m in loaded)
     elif args.attention:
         names = tuple(args.attention)
         reference, fast = ((model, None, a) for a in args.attention)
