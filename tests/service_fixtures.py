@@ -165,3 +165,11 @@ def start_http_server(model_dir: Path | str | None, engine: dict | None = None, 
 
 def http_base_url(srv: ServerThread) -> str:
     return f"http://127.0.0.1:{srv.http_port}/v1"
+
+
+def openai_client(srv: ServerThread, api_key: str = "unused", **kw: Any):
+    """The official ``openai`` client on the server's HTTP front (no retries: a test sees the
+    first answer); use it as a context manager."""
+    import openai
+
+    return openai.OpenAI(base_url=http_base_url(srv), api_key=api_key, max_retries=0, **kw)

@@ -19,7 +19,7 @@ import pytest
 
 from checkpoints import make_text_checkpoint
 from qil_client import Client
-from service_fixtures import http_base_url, start_http_server
+from service_fixtures import http_base_url, openai_client, start_http_server
 
 ENGINE = dict(num_pages=128, page_size=8, token_budget=256, prefill_chunk=64, max_active=16)
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo wörld 🙂"}]
@@ -40,7 +40,7 @@ def server(text_dir):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=http_base_url(server), api_key="unused", max_retries=0, timeout=60) as c:
+    with openai_client(server, timeout=60) as c:
         yield c
 
 

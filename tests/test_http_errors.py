@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from qil_client import Client
-from service_fixtures import free_port, http_base_url, start_http_server, wait_until
+from service_fixtures import free_port, http_base_url, openai_client, start_http_server, wait_until
 
 PROMPT = [3, 4, 5, 6]
 LONG = 4000  # tokens: runs for seconds on the test model
@@ -34,7 +34,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=http_base_url(server), api_key="unused", max_retries=0, timeout=60) as c:
+    with openai_client(server, timeout=60) as c:
         yield c
 
 
@@ -256,7 +256,7 @@ def test_max_queued_is_429(model_dir):
         with httpx.stream("POST", f"{http_base_url(srv)}/completions", json=body, timeout=60) as resp:
             lines = resp.iter_lines()  # (kept: a dropped iterator closes the response)
             assert next(lines).startswith("data: {")
-            with openai.OpenAI(base_url=http_base_url(srv), api_key="x", max_retries=0) as oai:
+            with openai_client(srv, api_key="x") as oai:
                 with pytest.raises(openai.RateLimitError) as exc:
                     oai.completions.create(model=srv.server.http.ctx.model_name, prompt=PROMPT, max_tokens=2)
             assert exc.value.body["type"] == "rate_limit_error"
@@ -267,10 +267,10 @@ def test_auth(model_dir):
         url = f"{http_base_url(srv)}/completions"
         body = {"prompt": PROMPT, "max_tokens": 2}
         name = srv.server.http.ctx.model_name
-        with openai.OpenAI(base_url=http_base_url(srv), api_key="s3cret", max_retries=0) as good:
+        with openai_client(srv, api_key="s3cret") as good:
             assert good.completions.create(model=name, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
             assert [m.id for m in good.models.list().data] == [name]
-        with openai.OpenAI(base_url=http_base_url(srv), api_key="wrong", max_retries=0) as bad:
+        with openai_client(srv, api_key="wrong") as bad:
             with pytest.raises(openai.AuthenticationError):
                 bad.completions.create(model=name, prompt=PROMPT, max_tokens=2)
             with pytest.raises(openai.AuthenticationError):
