@@ -10,10 +10,11 @@ step, so ``stats`` is current without asking the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from qil_worker.errors import CapacityError
 from qil_worker.service import limits
@@ -49,6 +50,21 @@ def release_outsized_later() -> None:
     loop = asyncio.get_running_loop()
     for delay in RELEASE_AFTER_S:
         loop.call_later(delay, release_outsized)
+
+
+@contextlib.contextmanager
+def _released_when_outsized(options: dict[str, Any]) -> Iterator[None]:
+    """Around a submit of ``options``: after an outsized text or messages prompt, drop it from
+    ``options`` (a refusal's traceback keeps the frames, and gRPC keeps the last call's) and give
+    the freed memory back once the call is over (``release_outsized_later``)."""
+    outsized = prompt_chars(options.get("text"), options.get("messages")) >= OUTSIZED_CHARS
+    try:
+        yield
+    finally:
+        if outsized:
+            options.pop("text", None)
+            options.pop("messages", None)
+            release_outsized_later()
 
 
 log = logging.getLogger("qil.front")
@@ -284,16 +300,36 @@ class Front:
         that carried it is over (``freed_memory``); its text or messages are then dropped from
         ``options``.
         """
-        opts = options or {}
-        outsized = prompt_chars(opts.get("text"), opts.get("messages")) >= OUTSIZED_CHARS
-        try:
-            return await self._submit(request_id, token_ids, max_new_tokens, stop_token_ids, options)
-        finally:
-            if outsized:
-                # a refusal's traceback keeps these frames (and gRPC keeps the last call's): not the text
-                opts.pop("text", None)
-                opts.pop("messages", None)
-                release_outsized_later()
+        opts = options if options is not None else {}
+        with _released_when_outsized(opts):
+            rid = self._admit(request_id)
+            tokens = None if token_ids is None else list(token_ids)
+            if tokens is not None:
+                self._refuse_too_many_ids(len(tokens), max_new_tokens)
+            elif self.info is not None:
+                self._refuse_text_too_long(
+                    lambda max_token_bytes, normal_form: _min_prompt_tokens(opts, max_token_bytes, normal_form),
+                    int(max_new_tokens),
+                )
+            req, acked = self.requests.add(rid, len(tokens or ()), int(opts.get("n") or 1))
+            self.supervisor.send(P.Submit(rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(opts)))
+            try:
+                ack = await acked
+            except asyncio.CancelledError:
+                self.supervisor.send(P.Cancel(rid))  # the caller is gone; the request must not run on
+                raise
+            except ServiceError:
+                self.requests.withdraw(req)
+                raise
+            if ack.rejection is not None:  # the table has forgotten the request
+                r = ack.rejection
+                raise from_worker_rejection(r.kind, r.field, r.message)
+            self.num_requests_total += 1
+            log.debug(
+                "submitted: tokens_in=%d max_new_tokens=%d", ack.num_prompt_tokens, max_new_tokens,
+                extra={"request_id": rid},
+            )
+            return req
 
     def _admit(self, request_id: str) -> str:
         """The checks of a submit that come before its prompt's; → the request's id."""
@@ -312,46 +348,6 @@ class Front:
                 f"{self.num_unfinished} unfinished requests; the server admits {self.max_unfinished}"
             )
         return rid
-
-    async def _submit(
-        self,
-        request_id: str,
-        token_ids: Iterable[int] | None,
-        max_new_tokens: int,
-        stop_token_ids: Iterable[int] = (),
-        options: dict[str, Any] | None = None,
-    ) -> FrontRequest:
-        rid = self._admit(request_id)
-        tokens = None if token_ids is None else list(token_ids)
-        if tokens is not None:
-            self._refuse_too_many_ids(len(tokens), max_new_tokens)
-        elif self.info is not None:
-            opts = options or {}
-            self._refuse_text_too_long(
-                lambda max_token_bytes, normal_form: _min_prompt_tokens(opts, max_token_bytes, normal_form),
-                int(max_new_tokens),
-            )
-        req, acked = self.requests.add(rid, len(tokens or ()), int((options or {}).get("n") or 1))
-        self.supervisor.send(
-            P.Submit(rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(options or {}))
-        )
-        try:
-            ack = await acked
-        except asyncio.CancelledError:
-            self.supervisor.send(P.Cancel(rid))  # the caller is gone; the request must not run on
-            raise
-        except ServiceError:
-            self.requests.withdraw(req)
-            raise
-        if ack.rejection is not None:  # the table has forgotten the request
-            r = ack.rejection
-            raise from_worker_rejection(r.kind, r.field, r.message)
-        self.num_requests_total += 1
-        log.debug(
-            "submitted: tokens_in=%d max_new_tokens=%d", ack.num_prompt_tokens, max_new_tokens,
-            extra={"request_id": rid},
-        )
-        return req
 
     def cancel_nowait(self, rid: str) -> bool:
         if self.requests.live(rid) is None:
