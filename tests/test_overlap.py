@@ -3,9 +3,10 @@ step N+1 before reading step N gives exactly the tokens and events of one that s
 synchronously — and, greedy, of transformers — with requests arriving at different steps,
 finishes (EOS, stop ids, max_new_tokens, stop strings) and cancels at every step boundary,
 preemption, chunked prefill, seeded sampling with logprobs, requests that make it step
-synchronously (constraints, penalties, min_new_tokens, n > 1, prompt logprobs), failed steps,
-and the decode-graph padded path. Every KV page is free after every scenario, and the
-overlapped engine is seen to read each step only after launching the next.
+synchronously (constraints, penalties, min_new_tokens, prompt logprobs) or fork (n > 1),
+failed steps, and the decode-graph padded path. Every KV page is free after every scenario,
+and the overlapped engine is seen to read each step only after launching the next. With
+``QIL_TEST_DEVICE=cuda`` the same run on the GPU (pinned readout, captured graphs).
 """
 
 from __future__ import annotations
@@ -16,28 +17,13 @@ from collections.abc import Callable
 
 import pytest
 
-from checkpoints import load_reference, make_checkpoint, make_text_checkpoint
+from checkpoints import make_checkpoint, make_text_checkpoint
 from engine_helpers import assert_pool_free, reference_greedy
 from qil_worker import Engine, FinishReason, Qwen3
 from qil_worker.engine.outputs import Event
 from qil_worker.text import load_tokenizer
 
 MAX_STEPS = 2000
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("overlap"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return Qwen3.from_directory(ckpt)
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    return load_reference(ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +37,8 @@ def tokenizer(text_dir):
 
 
 @pytest.fixture(scope="module")
-def text_model(text_dir):
-    return Qwen3.from_directory(text_dir)
+def text_model(text_dir, device):
+    return Qwen3.from_directory(text_dir, device=device, dtype="float32")
 
 
 def engine_for(model, overlap: bool, graphs: bool = False, **kwargs) -> Engine:
@@ -162,12 +148,12 @@ def test_arrivals_stop_ids_and_lengths_at_every_boundary_match_sync_and_transfor
     assert reasons == {FinishReason.LENGTH, FinishReason.STOP}
 
 
-def test_eos_at_every_boundary_matches_sync_and_transformers(tmp_path, ref):
+def test_eos_at_every_boundary_matches_sync_and_transformers(tmp_path, ref, device):
     """EOS from the model's config (the same weights, with an EOS id that greedy outputs hit)."""
     ps = prompts(8, seed=2)
     free_runs = [reference_greedy(ref, p, 10) for p in ps]
     eos = Counter(t for run in free_runs for t in run).most_common(1)[0][0]
-    eos_model = Qwen3.from_directory(make_checkpoint(tmp_path, seed=0, eos_token_id=eos))
+    eos_model = Qwen3.from_directory(make_checkpoint(tmp_path, seed=0, eos_token_id=eos), device=device, dtype="float32")
     arrivals = {0: [dict(name=f"r{i}", token_ids=p, max_new_tokens=10) for i, p in enumerate(ps)]}
     with_eos = next(i for i, run in enumerate(free_runs) if eos in run)
     arrivals[0].append(dict(name="ignoring", token_ids=ps[with_eos], max_new_tokens=10, ignore_eos=True))
@@ -423,9 +409,10 @@ def test_close_with_a_step_in_flight(model):
     assert engine.pool.num_used == 0
 
 
-def test_overlap_is_off_by_default_on_the_cpu(model):
-    assert not Engine(model, num_pages=8).overlap
+def test_overlap_is_on_by_default_on_cuda_only(model, device):
+    assert Engine(model, num_pages=8).overlap is (device == "cuda")
     assert Engine(model, num_pages=8, overlap=True).overlap
+    assert not Engine(model, num_pages=8, overlap=False).overlap
 
 
 def test_generate_with_overlap_matches_transformers(model, ref):
