@@ -361,18 +361,22 @@ class Engine:
         Without overlap the step launched here is read at once and its events returned. With
         ``overlap`` the step launched here stays on the device and the one launched by the
         previous call is read after it, so the host work of scheduling and staging this step
-        runs while the device computes the previous one; its events are returned now. Which
-        steps overlap and which are read at once: ``qil_worker.engine.in_flight``.
+        runs while the device computes the previous one; its events are returned now. A step
+        whose successor needs its tokens on the host is read before scheduling instead (the
+        synchronous fallback; which steps: ``qil_worker.engine.in_flight``). Either way one call
+        reads at most one step, so a request has at most one event per call.
         """
         self._check_open()
         events, self._pending = self._pending, []
-        for event in events:  # the cancelled requests' ids are free again
+        for event in events:  # the cancelled (or deferred failed) requests' ids are free again
             self._requests.pop(event.request_id, None)
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and not self.scheduler.fits_without_preempting():
-            # read first: requests that ended in it free pages that may spare a preemption
+        read_before = False
+        if previous is not None and not (previous.stays_in_flight and self.scheduler.fits_without_preempting()):
+            # read first: the next step needs its tokens on the host, or scheduling may preempt
+            # and requests that ended in it free pages that may spare that
             self._land(previous, events)
-            previous = None
+            previous, read_before = None, True
         chunks = self.scheduler.schedule()
         launched: InFlightStep | None = None
         failure: Exception | None = None
@@ -390,12 +394,14 @@ class Engine:
             if launched is not None:
                 self.overlapped_steps += 1  # launched before the previous step was read
             self._land(previous, events)
+            read_before = True
         if failure is not None:
             failed = [chunk.request for chunk in chunks]
             failed += [s for r in failed for s in samples.unforked(r)]  # their prompt failed too
-            self._fail_step(failed, failure, events)
+            # a request may have had its token of the step read above: its failure is the next call's
+            self._fail_step(failed, failure, events, defer=read_before)
         elif launched is not None and self.device_failure is None:
-            if self.overlap and launched.stays_in_flight:
+            if self.overlap:
                 launched.mark()
                 self._in_flight = launched
             else:
@@ -456,21 +462,25 @@ class Engine:
                 event = request.prompt_logprobs.attach(event)
             events.append(event if request.group is None else samples.tagged(event, request))
 
-    def _fail_step(self, requests: list[Request], exc: Exception, events: list[Event]) -> None:
+    def _fail_step(self, requests: list[Request], exc: Exception, events: list[Event], defer: bool = False) -> None:
         """A step failed as a whole: fail its unfinished ``requests`` (per-request isolation) —
-        or, when the device is unusable after it, every unfinished request."""
+        or, when the device is unusable after it, every unfinished request. ``defer``: their
+        final events go out with the next step, as a cancel's (unless the device is unusable:
+        the worker exits after this step)."""
         message = f"step failed: {type(exc).__name__}: {exc}"
         failed = list(dict.fromkeys(r for r in requests if not r.finished))
         if device_unusable(exc):  # no later step can succeed: end everything, refuse work
             self.device_failure = message
             self._in_flight = None
+            defer = False
             in_step = set(failed)
             failed += [
                 m for r in self._requests.values() for m in samples.members(r)
                 if not m.finished and m not in in_step
             ]
+        out = self._pending if defer else events
         for request in failed:
-            events.append(samples.tagged(self._fail(request, message), request))
+            out.append(samples.tagged(self._fail(request, message, handed_out_now=not defer), request))
 
     def _accept_token(
         self,
@@ -516,10 +526,10 @@ class Engine:
             log.exception("request %s failed", request.request_id)
             return self._fail(request, f"{type(exc).__name__}: {exc}")
 
-    def _fail(self, request: Request, message: str) -> Event:
+    def _fail(self, request: Request, message: str, handed_out_now: bool = True) -> Event:
         request.error = message
         self._finish(request, FinishReason.ERROR)
-        return self._final_event(request, handed_out_now=True)
+        return self._final_event(request, handed_out_now=handed_out_now)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.remove(request)

@@ -13,9 +13,9 @@ error) or was cancelled meanwhile gets no token from step N+1: its row there is 
 N+1 is read. The scheduler never gives a row to a request whose in-flight token is its last
 (``max_new_tokens`` is known on the host).
 
-Which steps stay in flight (``stays_in_flight``): a step is read at once — the engine steps
-synchronously for it — when one of its sampled requests needs its token on the host before its
-next step can be built: a grammar (the next mask follows the token), penalties or
+Which steps overlap their successor (``stays_in_flight``): a step is read before the next one
+is scheduled — the engine steps synchronously for it — when one of its sampled requests needs
+its token on the host before its next step can be built: a grammar (the next mask follows the token), penalties or
 ``min_new_tokens`` (computed from the output on the host) or prompt log-probabilities; or
 when it forks the samples of an ``n > 1`` request (they start from the forking row's token).
 Forked samples are requests of their own from then on, and overlap like any other. And the step in flight is
@@ -44,7 +44,7 @@ class InFlightStep:
     requests: list[Request]  # the request of each sampled row, in row order (forked samples last)
     sample: DeviceSample
     forks: list[tuple[int, list[Request]]]  # (row, samples) forked from that row's request
-    # whether the step may stay on the device while the next one is scheduled (module docstring)
+    # whether the next step may be scheduled before this one is read (module docstring)
     stays_in_flight: bool
 
     def mark(self) -> None:
@@ -65,7 +65,8 @@ def needs_host_token(request: Request) -> bool:
 
 def stays_in_flight(requests: list[Request], forks: list) -> bool:
     """Whether a step sampling ``requests`` (and forking ``forks``) may be read after the next
-    step is launched: the one place that decides which steps overlap."""
+    step is launched: the one place that decides which steps overlap (with the engine's
+    ``Scheduler.fits_without_preempting`` check)."""
     return not forks and not any(needs_host_token(r) for r in requests)
 
 
