@@ -444,3 +444,54 @@ def test_generate_with_overlap_matches_transformers(model, ref):
     assert [r.output_token_ids for r in results] == [reference_greedy(ref, p, 7) for p in ps]
     assert engine.overlapped_steps > 0 and engine.idle
     assert_pool_free(engine)
+
+
+# -- served: a real server whose worker runs an overlapped engine
+
+
+@pytest.fixture(scope="module")
+def overlapped_server(model_dir):
+    from service_fixtures import ENGINE, start_server
+
+    srv = start_server(model_dir, engine=dict(ENGINE, overlap=True))
+    yield srv
+    srv.stop()
+
+
+def test_a_served_overlapped_worker_streams_what_a_synchronous_engine_gives(overlapped_server, model_dir):
+    """The worker loop keeps stepping while a step is in flight (``idle`` is false), streams
+    every request's tokens once and in order, ends them where the synchronous engine does, and
+    a cancel mid-stream frees every page."""
+    import asyncio
+
+    from qil_client import AsyncClient, Client
+    from service_fixtures import ENGINE, wait_until
+
+    ps = [[(5 * i + j) % 97 for j in range(3 + i % 7)] for i in range(16)]
+    lengths = [1 + i % 9 for i in range(16)]
+    sync = Engine(Qwen3.from_directory(model_dir), **ENGINE)
+    free = [sync.submit(p, max_new_tokens=16) for p in ps]
+    while not sync.idle:
+        sync.step()
+    free_runs = [sync.result(rid).output_token_ids for rid in free]
+    stops = [run[2] for run in free_runs]
+    want = [run[: n] for run, n in zip(free_runs, lengths)]
+    want_stopped = [run[: run.index(stop) + 1] for run, stop in zip(free_runs, stops)]
+
+    async def run():
+        async with AsyncClient(overlapped_server.target, timeout=60) as ac:
+            by_length = [ac.generate(p, max_new_tokens=n) for p, n in zip(ps, lengths)]
+            by_stop = [ac.generate(p, max_new_tokens=16, stop_token_ids=[s]) for p, s in zip(ps, stops)]
+            return await asyncio.gather(*by_length, *by_stop)
+
+    results = asyncio.run(run())
+    assert [r.token_ids for r in results] == want + want_stopped
+    assert [r.finish_reason for r in results] == ["length"] * 16 + ["stop"] * 16
+    with Client(overlapped_server.target, timeout=60) as client:
+        stream = client.stream([1, 2, 3], max_new_tokens=5000, request_id="long")
+        seen = [t for _, e in zip(range(3), stream) for t in e.token_ids]
+        assert client.cancel("long") == {"long": True}
+        stream.close()
+        wait_until(lambda: client.info().pages.used == 0 and client.info().num_unfinished == 0)
+        result = client.result("long")
+        assert result.finish_reason == "cancelled" and result.token_ids[: len(seen)] == seen
