@@ -437,7 +437,8 @@ class Engine:
         self.scheduler.commit(computed)
         for row, group in forks:  # before any token is accepted: a sample that ends holds the pages
             samples.fork(sampled_requests[row], group, self.scheduler, self.pool, self.kv)
-        return InFlightStep(chunks, sampled_requests, sample, forks, stays_in_flight(sampled_requests, forks))
+        stays = self.overlap and stays_in_flight(sampled_requests, forks)
+        return InFlightStep(chunks, sampled_requests, sample, stays)
 
     def _land(self, step: InFlightStep, events: list[Event]) -> None:
         """Read a launched step's tokens and accept them into ``events``; a request that ended

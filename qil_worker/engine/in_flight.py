@@ -43,7 +43,6 @@ class InFlightStep:
     chunks: list[ScheduledChunk]  # every chunk the step computes
     requests: list[Request]  # the request of each sampled row, in row order (forked samples last)
     sample: DeviceSample
-    forks: list[tuple[int, list[Request]]]  # (row, samples) forked from that row's request
     # whether the next step may be scheduled before this one is read (module docstring)
     stays_in_flight: bool
 
