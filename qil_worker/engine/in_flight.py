@@ -15,13 +15,13 @@ N+1 is read. The scheduler never gives a row to a request whose in-flight token 
 
 Which steps overlap their successor (``stays_in_flight``): a step is read before the next one
 is scheduled — the engine steps synchronously for it — when one of its sampled requests needs
-its token on the host before its next step can be built: a grammar (the next mask follows the token), penalties or
-``min_new_tokens`` (computed from the output on the host) or prompt log-probabilities; or
-when it forks the samples of an ``n > 1`` request (they start from the forking row's token).
-Forked samples are requests of their own from then on, and overlap like any other. And the step in flight is
-read before scheduling when scheduling could preempt (``Scheduler.fits_without_preempting``):
-requests that ended in it then free their pages first, as a synchronous engine's would, and
-may spare the preemption.
+its token on the host before its next step can be built: a grammar (the next mask follows the
+token), penalties or ``min_new_tokens`` (computed from the output on the host) or prompt
+log-probabilities; or when it forks the samples of an ``n > 1`` request (they start from the
+forking row's token; once forked, samples are requests of their own and overlap like any
+other). And the step in flight is read before scheduling when scheduling could preempt
+(``Scheduler.fits_without_preempting``): requests that ended in it then free their pages
+first, as a synchronous engine's would, and may spare the preemption.
 """
 
 from __future__ import annotations
