@@ -454,10 +454,11 @@ class Engine:
         now = time.perf_counter()
         accept = self._accept_token
         chosen = zip(step.requests, sampled.tokens, sampled.logprobs, sampled.top_logprobs)
+        if step.marked:  # overlapped: rows of requests that ended since the launch are dropped
+            for request in step.requests:
+                request.in_flight_row = -1
+            chosen = [row for row in chosen if not row[0].finished]
         for request, token, logprob, top in chosen:
-            request.in_flight_row = -1
-            if request.finished:
-                continue
             event = accept(request, token, now, logprob, top)
             if request.prompt_logprobs is not None:
                 event = request.prompt_logprobs.attach(event)

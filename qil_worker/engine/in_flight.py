@@ -45,9 +45,11 @@ class InFlightStep:
     sample: DeviceSample
     # whether the next step may be scheduled before this one is read (module docstring)
     stays_in_flight: bool
+    marked: bool = False  # kept in flight past its ``step()`` call (``mark``)
 
     def mark(self) -> None:
         """Give every still-running sampled request its row here: its token is in flight."""
+        self.marked = True
         for row, request in enumerate(self.requests):
             if not request.finished:
                 request.in_flight_row = row
