@@ -76,7 +76,7 @@ from qil_worker.attention.choice import probe_varlen
 print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, PACKED) or "ok")' 2>/dev/null || echo "probe failed")
     echo "packed varlen attention: $packed"
 
-    run "engine tests on CUDA" 150 check tests.log "passed|failed|error|skipped|available|^FAILED" \
+    run "engine tests on CUDA" 200 check tests.log "passed|failed|error|skipped|available|^FAILED" \
         env QIL_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider -s -rs \
         tests/test_gpu.py tests/test_decode_graphs.py tests/test_model_logits.py \
         tests/test_engine_generate.py tests/test_engine_sampling.py tests/test_prefix_cache.py \
@@ -98,14 +98,14 @@ print("model ready")'
             "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --page-size "$page" \
             --token-budget 4096 --prefill-chunk 2048 "$@"
     }
-    run "decode step: CUDA graphs vs eager (page size $page)" 90 bench decode_step.log "." \
-        "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
-        --batch 1 8 64 256
     # the standard workload, overlapped scheduling on (the CUDA default) and off
     throughput "throughput: 256 requests, prompt/output 100-1024, bf16 — qil alone" 90 throughput_256.log \
         --systems qil --json "$out/throughput_256.json"
     throughput "throughput: 256 requests as above — qil with --no-overlap" 90 throughput_256_no_overlap.log \
         --systems qil --no-overlap --json "$out/throughput_256_no_overlap.json"
+    run "decode step: CUDA graphs vs eager (page size $page)" 90 bench decode_step.log "." \
+        "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
+        --batch 1 8 64 256
     # transformers needs minutes for 256 such requests (longer than a stage may take), so the
     # side by side runs the same distribution with 64 requests.
     throughput "side by side: 64 requests, prompt/output 100-1024, bf16 — qil" 90 throughput_64_qil.log \
