@@ -9,9 +9,10 @@ own work per step — what a GPU waits for unless it is overlapped:
              ``DecodeGraphs._stage`` (padded decode path)
   attn-meta  of which (eager path) the attention backend's ``step_metadata`` (qil_worker/attention)
   prepare    ``Sampler.prepare`` (grammar masks; nothing for these requests)
-  sample     ``Sampler.sample``: per-request parameters, their ``to_device``, the draw's ops
-             over [rows, vocab] logits, the final ``tolist``
-  accept     the rest of ``step()``: ``_accept_token``, events, bookkeeping, which path to take
+  sample     ``Sampler.sample_on_device``: per-request parameters, their ``to_device``, the
+             draw's ops over [rows, vocab] logits
+  accept     the rest of ``step()``: the tokens' ``tolist``, ``_accept_token``, events,
+             bookkeeping, which path to take
   host       everything but the forward (schedule + build + prepare + sample + accept)
   forward    the model call (``Qwen3.forward``, or ``DecodeGraphs.run`` minus staging): not host
 
@@ -87,7 +88,9 @@ def instrument(engine, clock: "PhaseClock") -> None:
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.commit = clock.wrap("schedule", engine.scheduler.commit)
     engine.sampler.prepare = clock.wrap("prepare", engine.sampler.prepare)
-    engine.sampler.sample = clock.wrap("sample", engine.sampler.sample)
+    # the device part of sampling (the readout is in accept); ``sample`` in an engine before it
+    sampling = "sample_on_device" if hasattr(engine.sampler, "sample_on_device") else "sample"
+    setattr(engine.sampler, sampling, clock.wrap("sample", getattr(engine.sampler, sampling)))
     engine_module.build_step_batch = clock.wrap("build", engine_module.build_step_batch)
     engine.attention.step_metadata = clock.wrap("attn-meta", engine.attention.step_metadata)
     engine.model.forward = clock.wrap("forward", engine.model.forward)
@@ -97,12 +100,12 @@ def instrument(engine, clock: "PhaseClock") -> None:
         graphs._stage = clock.wrap("build", stage)
         run = graphs.run
 
-        def run_minus_stage(chunks):
+        def run_minus_stage(chunks, *in_flight):
             if not clock.on:
-                return run(chunks)
+                return run(chunks, *in_flight)
             before = clock.seconds["build"]
             t0 = clock.now()
-            out = run(chunks)
+            out = run(chunks, *in_flight)
             clock.seconds["forward"] += clock.now() - t0 - (clock.seconds["build"] - before)
             return out
 

@@ -24,7 +24,10 @@ start of the run); ITL = gaps between a request's consecutive tokens.
 ``--request-rate R`` (qil systems): requests arrive as a seeded Poisson process of R/s instead of
 all at once, and TTFT counts from each request's own arrival, so it shows what the prefix cache
 saves a request rather than how long it queued behind the others. ``--schedule-policy`` sets
-qil's admission order (``fcfs``, as served by default, or ``shortest-first``).
+qil's admission order (``fcfs``, as served by default, or ``shortest-first``). ``--no-overlap``:
+qil reads each step's tokens before scheduling the next (overlapped scheduling is on by default
+on CUDA); every qil row says ``overlap`` on or off and how many steps were launched before the
+previous one was read (``overlapped_steps``).
 """
 
 from __future__ import annotations
@@ -95,11 +98,13 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
     token) before the clock starts, as a server has served its system prompt before a burst."""
     from qil_worker import Engine
 
+    no_overlap = getattr(args, "no_overlap", False)
     engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
                     token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
                     max_active=args.max_active, prefix_cache=prefix_cache, cuda_graphs=cuda_graphs,
                     schedule_policy=args.schedule_policy, attention=args.attention,
-                    retained_results=len(reqs) + 1)  # every result is read after the run
+                    retained_results=len(reqs) + 1,  # every result is read after the run
+                    **({"overlap": False} if no_overlap else {}))
     if served_before is not None:
         engine.generate([served_before], max_new_tokens=1)
     sampling = dict(temperature=args.temperature, seed=args.seed) if args.temperature else {}
@@ -136,6 +141,8 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
         "graph_decode_steps": graphs.steps, "graphs": graphs.num_graphs,
         "graph_capture_s": round(graphs.capture_seconds, 2),
     }
+    if hasattr(engine, "overlap"):
+        extra.update(overlap="on" if engine.overlap else "off", overlapped_steps=engine.overlapped_steps)
     engine.close()
     return summarize(name, wall, reqs, ttft, gaps, peak_kv_pages=peak, prefix_hit_rate=round(hit, 3),
                      attention=engine.attention_backend, **extra)
@@ -257,6 +264,8 @@ def main(argv=None) -> int:
     p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
                    help="qil's admission order (both qil runs of --prefix-heavy use it)")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="qil's attention backend")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="qil steps synchronously: each step's tokens are read before the next is scheduled")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="tiny model and lengths (smoke test)")
     p.add_argument("--json", type=Path, default=None)

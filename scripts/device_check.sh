@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU check: correctness on CUDA (varlen attention, decode CUDA graphs), decode-step
-# timing graphs vs eager, then the throughput benchmark beside transformers. Installs nothing;
+# One prepared GPU check: correctness on CUDA (varlen attention, decode CUDA graphs, overlapped
+# scheduling), decode-step timing graphs vs eager, the 256-request workload with overlapped
+# scheduling on and off, then the throughput benchmark beside transformers. Installs nothing;
 # uses the machine's python3 with torch and transformers.
 # Without a GPU it runs a CPU fallback so the script itself is tested.
 #
@@ -75,10 +76,11 @@ from qil_worker.attention.choice import probe_varlen
 print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, PACKED) or "ok")' 2>/dev/null || echo "probe failed")
     echo "packed varlen attention: $packed"
 
-    run "engine tests on CUDA" 150 check tests.log "passed|failed|error|skipped|available|^FAILED" \
+    run "engine tests on CUDA" 200 check tests.log "passed|failed|error|skipped|available|^FAILED" \
         env QIL_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider -s -rs \
         tests/test_gpu.py tests/test_decode_graphs.py tests/test_model_logits.py \
-        tests/test_engine_generate.py tests/test_engine_sampling.py tests/test_prefix_cache.py
+        tests/test_engine_generate.py tests/test_engine_sampling.py tests/test_prefix_cache.py \
+        tests/test_overlap.py
     run "0.6B-shaped model" 90 check model.log . "$py" -c '
 import sys; sys.path.insert(0, "scripts")
 from pathlib import Path
@@ -96,6 +98,11 @@ print("model ready")'
             "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --page-size "$page" \
             --token-budget 4096 --prefill-chunk 2048 "$@"
     }
+    # the standard workload, overlapped scheduling on (the CUDA default) and off
+    throughput "throughput: 256 requests, prompt/output 100-1024, bf16 — qil alone" 90 throughput_256.log \
+        --systems qil --json "$out/throughput_256.json"
+    throughput "throughput: 256 requests as above — qil with --no-overlap" 90 throughput_256_no_overlap.log \
+        --systems qil --no-overlap --json "$out/throughput_256_no_overlap.json"
     run "decode step: CUDA graphs vs eager (page size $page)" 90 bench decode_step.log "." \
         "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
         --batch 1 8 64 256
@@ -105,8 +112,6 @@ print("model ready")'
         --requests 64 --systems qil --json "$out/throughput_64_qil.json"
     throughput "side by side: 64 requests as above — hf-continuous" 150 throughput_64_hf.log \
         --requests 64 --hf-batch 64 --systems hf-continuous --json "$out/throughput_64_hf-continuous.json"
-    throughput "throughput: 256 requests, prompt/output 100-1024, bf16 — qil alone" 90 throughput_256.log \
-        --systems qil --json "$out/throughput_256.json"
     # the packed varlen kernel (keys gathered without padding) is opt-in in serve; this A/B is
     # what decides whether it should become the default
     if [ "$packed" = ok ]; then

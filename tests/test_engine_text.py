@@ -161,17 +161,18 @@ def test_a_stop_string_completed_mid_character_stops_at_that_token(split_char_to
 def test_text_cut_at_a_stop_string_always_ends_with_reason_stop(text_dir, split_char_tokenizer, monkeypatch):
     """A stop string first seen in the text released when the request ends at max_new_tokens
     (here the U+FFFD of a character the last token left incomplete) makes the reason STOP."""
-    from qil_worker.engine.sampler import SampleOutput
+    import torch
+
+    from qil_worker.engine.sampler import DeviceSample
 
     tok = split_char_tokenizer
     engine = Engine(Qwen3.from_directory(text_dir), num_pages=16, page_size=8, tokenizer=tok)
     script = tok.encode("b: é", add_special_tokens=False)[:3]
 
     def scripted(logits, requests):
-        tokens = [script[len(r.output_token_ids)] for r in requests]
-        return SampleOutput(tokens, [None] * len(tokens), [None] * len(tokens))
+        return DeviceSample(torch.tensor([script[r.num_output_tokens] for r in requests]))
 
-    monkeypatch.setattr(engine.sampler, "sample", scripted)
+    monkeypatch.setattr(engine.sampler, "sample_on_device", scripted)
     rid = engine.submit([1, 2], max_new_tokens=3, stop_strings=["\ufffd"])
     events = run_to_completion(engine)
     result = engine.result(rid)

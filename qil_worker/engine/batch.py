@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from qil_worker.attention.backend import AttentionBackend, StepAttention, StepLayout
+from qil_worker.engine.in_flight import decode_inputs, fill_inputs
 from qil_worker.engine.prompt_logprobs import PromptRows
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import host_tensor, to_device
@@ -46,8 +47,11 @@ def build_step_batch(
     page_size: int,
     query_groups: int,
     device: torch.device,
+    in_flight_tokens: torch.Tensor | None = None,
 ) -> StepBatch:
-    """``query_groups``: query heads per KV head (the GQA fold of the attention mask)."""
+    """``query_groups``: query heads per KV head (the GQA fold of the attention mask).
+    ``in_flight_tokens``: the sampled tokens [S] of the step still on the device, where the
+    input of a request whose token is in flight is taken from (``engine.in_flight``)."""
     decodes = [c for c in chunks if c.num_tokens == 1]
     groups_of_chunks = attention_groups(decodes) + attention_groups([c for c in chunks if c.num_tokens > 1])
     ordered = [c for group in groups_of_chunks for c in group]
@@ -61,8 +65,10 @@ def build_step_batch(
     rows_t = tokens.rows.to(device, non_blocking=True)
     slot_mapping = kv_slots(tables, positions_t, page_size, rows=rows_t)
     layout = StepLayout(groups_of_chunks, tables, slot_mapping, page_size, query_groups, device)
+    input_ids = to_device(tokens.input_ids, device, torch.long)
+    fill_inputs(input_ids, tokens.in_flight_indices, tokens.in_flight_sources, in_flight_tokens)
     return StepBatch(
-        input_ids=to_device(tokens.input_ids, device, torch.long),
+        input_ids=input_ids,
         positions=positions_t,
         attention=attention.step_metadata(layout),
         logit_indices=to_device(tokens.logit_indices, device, torch.long),
@@ -82,18 +88,24 @@ class _StepTokens:
     logit_indices: list[int]  # the sampled tokens, then the scored prompt positions
     sampled: list[ScheduledChunk]
     prompt_rows: list[PromptRows]
+    # flat indices whose input is a token still in flight, and that token's row in its step
+    in_flight_indices: list[int]
+    in_flight_sources: list[int]
 
 
 def _one_token_each(ordered: list[ScheduledChunk]) -> _StepTokens:
     """A step of one-token chunks (decodes), none scoring its prompt: token i is chunk i's."""
     sampled_rows = [row for row, c in enumerate(ordered) if c.samples]
+    input_ids, in_flight_indices, in_flight_sources = decode_inputs(ordered)
     return _StepTokens(
-        input_ids=[c.request.token_at(c.start) for c in ordered],
+        input_ids=input_ids,
         positions=[c.start for c in ordered],
         rows=torch.arange(len(ordered)),
         logit_indices=sampled_rows,
         sampled=[ordered[row] for row in sampled_rows],
         prompt_rows=[],
+        in_flight_indices=in_flight_indices,
+        in_flight_sources=in_flight_sources,
     )
 
 
@@ -105,6 +117,8 @@ def _flat_tokens(ordered: list[ScheduledChunk]) -> _StepTokens:
     sampled: list[ScheduledChunk] = []
     prompt_indices: list[int] = []
     prompt_rows: list[PromptRows] = []
+    in_flight_indices: list[int] = []
+    in_flight_sources: list[int] = []
     for chunk in ordered:
         if chunk.request.prompt_logprobs is not None:
             scored = chunk.request.prompt_logprobs.positions(chunk.start, chunk.end)
@@ -112,7 +126,12 @@ def _flat_tokens(ordered: list[ScheduledChunk]) -> _StepTokens:
                 offset = len(input_ids) - chunk.start
                 prompt_indices.extend(range(scored.start + offset, scored.stop + offset))
                 prompt_rows.append(PromptRows(chunk.request, scored.start, len(scored)))
-        input_ids.extend(chunk.request.token_ids(chunk.start, chunk.end))
+        if chunk.request.in_flight_row >= 0:  # a decode of the token in flight: its one input
+            in_flight_indices.append(len(input_ids))
+            in_flight_sources.append(chunk.request.in_flight_row)
+            input_ids.append(0)
+        else:
+            input_ids.extend(chunk.request.token_ids(chunk.start, chunk.end))
         positions.extend(range(chunk.start, chunk.end))
         if chunk.samples:
             sample_indices.append(len(input_ids) - 1)
@@ -125,6 +144,8 @@ def _flat_tokens(ordered: list[ScheduledChunk]) -> _StepTokens:
         logit_indices=sample_indices + prompt_indices,
         sampled=sampled,
         prompt_rows=prompt_rows,
+        in_flight_indices=in_flight_indices,
+        in_flight_sources=in_flight_sources,
     )
 
 

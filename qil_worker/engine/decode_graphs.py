@@ -29,6 +29,7 @@ import torch
 
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.engine.batch import page_tables
+from qil_worker.engine.in_flight import decode_inputs, fill_inputs
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import host_tensor
 from qil_worker.kv import KVCache
@@ -139,12 +140,13 @@ class DecodeGraphs:
         total = sum(c.end for c in chunks) + batch - len(chunks)
         return batch, context, self.keys[bisect.bisect_left(self.keys, total)]
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [len(chunks), vocab] for a step that ``handles`` accepted, rows in chunk order."""
+    def run(self, chunks: list[ScheduledChunk], in_flight_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(chunks), vocab] for a step that ``handles`` accepted, rows in chunk order;
+        ``in_flight_tokens``: as ``build_step_batch``'s (``engine.in_flight``)."""
         rows = len(chunks)
         self.steps += 1
         batch, context, keys = self._shape(chunks)
-        self._stage(chunks, batch, context // self.page_size)
+        self._stage(chunks, batch, context // self.page_size, in_flight_tokens)
         # packed graphs read the whole table width, so one graph serves every context
         shape = (batch, keys) if self.attention.packs_keys else (batch, context)
         captured = self._graphs.get(shape)
@@ -161,17 +163,22 @@ class DecodeGraphs:
             graph.replay()
         return self.model.logits(hidden[:rows])
 
-    def _stage(self, chunks: list[ScheduledChunk], batch: int, pages: int) -> None:
-        """Copy this step's ids, positions and page tables into the static buffers (padded)."""
+    def _stage(
+        self, chunks: list[ScheduledChunk], batch: int, pages: int, in_flight_tokens: torch.Tensor | None = None
+    ) -> None:
+        """Copy this step's ids, positions and page tables into the static buffers (padded);
+        ids of tokens still in flight are taken from ``in_flight_tokens`` on the device."""
         rows = len(chunks)
         pin = self._pin
         ids = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
         positions = torch.zeros(batch, dtype=torch.long, pin_memory=pin)
-        ids[:rows] = host_tensor([c.request.token_at(c.start) for c in chunks], torch.long)
+        known, in_flight_rows, sources = decode_inputs(chunks)
+        ids[:rows] = host_tensor(known, torch.long)
         positions[:rows] = host_tensor([c.start for c in chunks], torch.long)
         table = torch.full((batch, pages), self.kv.scratch_page, dtype=torch.long, pin_memory=pin)
         table[:rows] = page_tables(chunks, pages, pad=self.kv.scratch_page)
         self._ids[:batch].copy_(ids, non_blocking=True)
+        fill_inputs(self._ids, in_flight_rows, sources, in_flight_tokens)
         self._positions[:batch].copy_(positions, non_blocking=True)
         self._tables[:batch, :pages].copy_(table, non_blocking=True)
 

@@ -20,11 +20,12 @@ from qil_worker.engine import prompt_logprobs
 from qil_worker.engine.batch import build_step_batch
 from qil_worker.engine import samples
 from qil_worker.engine.decode_graphs import DecodeGraphs
+from qil_worker.engine.in_flight import InFlightStep, stays_in_flight
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
 from qil_worker.engine.request import Request
 from qil_worker.engine.sampler import Sampler
 from qil_worker.engine.sampling_params import SamplingParams
-from qil_worker.engine.scheduler import Scheduler
+from qil_worker.engine.scheduler import ScheduledChunk, Scheduler
 from qil_worker.engine.validation import validate_submit
 from qil_worker.errors import (
     DeviceFailedError,
@@ -110,13 +111,18 @@ class Engine:
         schedule_policy: str = "fcfs",
         attention: str | AttentionBackend = "auto",
         retained_results: int = RETAINED_RESULTS,
+        overlap: bool | None = None,
     ) -> None:
         """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
         off with ``debug``). Given ``True`` on another device, the same padded decode path runs
         without capture (for tests). ``schedule_policy``: the order waiting requests are admitted
         in, ``"fcfs"`` or ``"shortest-first"`` (see ``qil_worker.engine.schedule_policy``).
         ``attention``: ``"auto"``, ``"sdpa"``, ``"varlen"`` (paged) or ``"varlen-packed"`` (CUDA;
-        see ``qil_worker.attention.choice``), or a backend object (``attention.backend``)."""
+        see ``qil_worker.attention.choice``), or a backend object (``attention.backend``).
+        ``overlap``: schedule and stage each step while the previous one runs on the device,
+        reading its tokens after (default: on for CUDA; see ``qil_worker.engine.in_flight``).
+        The tokens and events are the same either way; with overlap a step's events come
+        with the next ``step()``."""
         for name, value in (
             ("num_pages", num_pages),
             ("page_size", page_size),
@@ -179,6 +185,9 @@ class Engine:
         self._closed = False
         # Why the device can no longer be used (``device_unusable``); the engine then refuses work.
         self.device_failure: str | None = None
+        self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
+        self._in_flight: InFlightStep | None = None  # launched, not read yet (``overlap``)
+        self.overlapped_steps = 0  # steps launched before the previous step was read
         self._grammars: GrammarCompiler | None = None  # built on first use (structured output)
         self._grammars_lock = threading.Lock()
 
@@ -347,69 +356,133 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """Run one batched forward over all scheduled work and return its events."""
+        """Run one batched forward over all scheduled work and return the events of the step read.
+
+        Without overlap the step launched here is read at once and its events returned. With
+        ``overlap`` the step launched here stays on the device and the one launched by the
+        previous call is read after it, so the host work of scheduling and staging this step
+        runs while the device computes the previous one; its events are returned now. A step
+        whose successor needs its tokens on the host is read before scheduling instead (the
+        synchronous fallback; which steps: ``qil_worker.engine.in_flight``). Either way one call
+        reads at most one step, so a request has at most one event per call.
+        """
         self._check_open()
         events, self._pending = self._pending, []
-        for event in events:  # the cancelled requests' ids are free again
+        for event in events:  # the cancelled (or deferred failed) requests' ids are free again
             self._requests.pop(event.request_id, None)
+        previous, self._in_flight = self._in_flight, None
+        read_before = False
+        if previous is not None and not (previous.stays_in_flight and self.scheduler.fits_without_preempting()):
+            # read first: the next step needs its tokens on the host, or scheduling may preempt
+            # and requests that ended in it free pages that may spare that
+            self._land(previous, events)
+            previous, read_before = None, True
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return events
-        now = time.perf_counter()
-        for chunk in chunks:
-            if chunk.request.metrics.first_scheduled_time is None:
-                chunk.request.metrics.first_scheduled_time = now
-        try:
-            vocab = self.model.config.vocab_size
-            if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
-                computed = sampled_chunks = chunks
-                sampled_requests = [c.request for c in chunks]
-                self.sampler.prepare(sampled_requests, vocab)
-                logits = self.decode_graphs.run(chunks)
-            else:
-                batch = build_step_batch(
-                    chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
-                )
-                self.kv.check_reads(batch.attention)
-                computed, sampled_chunks = batch.chunks, batch.sampled
-                sampled_requests = [c.request for c in sampled_chunks]
-                self.sampler.prepare(sampled_requests, vocab)
-                logits = self.model(
-                    batch.input_ids, batch.positions, batch.attention, self.kv, batch.logit_indices
-                )
-                if batch.prompt_rows:  # the rows after the sampled ones score prompt tokens
-                    prompt_logprobs.score(logits[len(sampled_chunks):], batch.prompt_rows)
-                    logits = logits[: len(sampled_chunks)]
-            forks = samples.forking(sampled_requests)  # n-requests whose prompt is computed now
-            logits, sampled_requests = samples.with_fork_rows(logits, sampled_requests, forks)
-            sampled = self.sampler.sample(logits, sampled_requests)
-        except Exception as exc:  # the whole forward failed: fail its requests, keep serving
-            log.exception("step failed for %d request(s)", len(chunks))
-            message = f"step failed: {type(exc).__name__}: {exc}"
+        launched: InFlightStep | None = None
+        failure: Exception | None = None
+        if chunks:
+            now = time.perf_counter()
+            for chunk in chunks:
+                if chunk.request.metrics.first_scheduled_time is None:
+                    chunk.request.metrics.first_scheduled_time = now
+            try:
+                launched = self._launch(chunks, previous)
+            except Exception as exc:  # the whole forward failed: its requests fail below, keep serving
+                log.exception("step failed for %d request(s)", len(chunks))
+                failure = exc
+        if previous is not None:
+            if launched is not None:
+                self.overlapped_steps += 1  # launched before the previous step was read
+            self._land(previous, events)
+            read_before = True
+        if failure is not None:
             failed = [chunk.request for chunk in chunks]
             failed += [s for r in failed for s in samples.unforked(r)]  # their prompt failed too
-            if device_unusable(exc):  # no later step can succeed: end everything, refuse work
-                self.device_failure = message
-                in_step = set(failed)
-                failed += [
-                    m for r in self._requests.values() for m in samples.members(r)
-                    if not m.finished and m not in in_step
-                ]
-            for request in failed:
-                events.append(samples.tagged(self._fail(request, message), request))
-            return events
+            # a request may have had its token of the step read above: its failure is the next call's
+            self._fail_step(failed, failure, events, defer=read_before)
+        elif launched is not None and self.device_failure is None:
+            if self.overlap:
+                launched.mark()
+                self._in_flight = launched
+            else:
+                self._land(launched, events)
+        return events
+
+    def _launch(self, chunks: list[ScheduledChunk], previous: InFlightStep | None) -> InFlightStep:
+        """Queue a step's forward and sampling on the device and commit its KV writes; nothing
+        waits for the device. Inputs of tokens still in flight come from ``previous``."""
+        vocab = self.model.config.vocab_size
+        in_flight_tokens = previous.sample.tokens if previous is not None else None
+        if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
+            computed = chunks
+            sampled_requests = [c.request for c in chunks]
+            self.sampler.prepare(sampled_requests, vocab)
+            logits = self.decode_graphs.run(chunks, in_flight_tokens)
+        else:
+            batch = build_step_batch(
+                chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
+                in_flight_tokens,
+            )
+            self.kv.check_reads(batch.attention)
+            computed = batch.chunks
+            sampled_requests = [c.request for c in batch.sampled]
+            self.sampler.prepare(sampled_requests, vocab)
+            logits = self.model(batch.input_ids, batch.positions, batch.attention, self.kv, batch.logit_indices)
+            if batch.prompt_rows:  # the rows after the sampled ones score prompt tokens
+                prompt_logprobs.score(logits[len(sampled_requests):], batch.prompt_rows)
+                logits = logits[: len(sampled_requests)]
+        forks = samples.forking(sampled_requests)  # n-requests whose prompt is computed now
+        logits, sampled_requests = samples.with_fork_rows(logits, sampled_requests, forks)
+        sample = self.sampler.sample_on_device(logits, sampled_requests)
         self.scheduler.commit(computed)
         for row, group in forks:  # before any token is accepted: a sample that ends holds the pages
             samples.fork(sampled_requests[row], group, self.scheduler, self.pool, self.kv)
+        stays = self.overlap and stays_in_flight(sampled_requests, forks)
+        return InFlightStep(chunks, sampled_requests, sample, stays)
+
+    def _land(self, step: InFlightStep, events: list[Event]) -> None:
+        """Read a launched step's tokens and accept them into ``events``; a request that ended
+        since the launch (in the step before, or cancelled) gets nothing from it."""
+        try:
+            sampled = step.sample.read()
+        except Exception as exc:  # the step failed on the device after all
+            log.exception("step failed for %d request(s)", len(step.requests))
+            for request in step.requests:
+                request.in_flight_row = -1
+            self._fail_step([c.request for c in step.chunks] + step.requests, exc, events)
+            return
         now = time.perf_counter()
         accept = self._accept_token
-        chosen = zip(sampled_requests, sampled.tokens, sampled.logprobs, sampled.top_logprobs)
+        chosen = zip(step.requests, sampled.tokens, sampled.logprobs, sampled.top_logprobs)
+        if step.marked:  # overlapped: rows of requests that ended since the launch are dropped
+            for request in step.requests:
+                request.in_flight_row = -1
+            chosen = [row for row in chosen if not row[0].finished]
         for request, token, logprob, top in chosen:
             event = accept(request, token, now, logprob, top)
             if request.prompt_logprobs is not None:
                 event = request.prompt_logprobs.attach(event)
             events.append(event if request.group is None else samples.tagged(event, request))
-        return events
+
+    def _fail_step(self, requests: list[Request], exc: Exception, events: list[Event], defer: bool = False) -> None:
+        """A step failed as a whole: fail its unfinished ``requests`` (per-request isolation) —
+        or, when the device is unusable after it, every unfinished request. ``defer``: their
+        final events go out with the next step, as a cancel's (unless the device is unusable:
+        the worker exits after this step)."""
+        message = f"step failed: {type(exc).__name__}: {exc}"
+        failed = list(dict.fromkeys(r for r in requests if not r.finished))
+        if device_unusable(exc):  # no later step can succeed: end everything, refuse work
+            self.device_failure = message
+            self._in_flight = None
+            defer = False
+            in_step = set(failed)
+            failed += [
+                m for r in self._requests.values() for m in samples.members(r)
+                if not m.finished and m not in in_step
+            ]
+        out = self._pending if defer else events
+        for request in failed:
+            out.append(samples.tagged(self._fail(request, message, handed_out_now=not defer), request))
 
     def _accept_token(
         self,
@@ -455,10 +528,10 @@ class Engine:
             log.exception("request %s failed", request.request_id)
             return self._fail(request, f"{type(exc).__name__}: {exc}")
 
-    def _fail(self, request: Request, message: str) -> Event:
+    def _fail(self, request: Request, message: str, handed_out_now: bool = True) -> Event:
         request.error = message
         self._finish(request, FinishReason.ERROR)
-        return self._final_event(request, handed_out_now=True)
+        return self._final_event(request, handed_out_now=handed_out_now)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.remove(request)
@@ -494,8 +567,8 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        """Nothing waiting, nothing running and no event left to hand out."""
-        return not self.scheduler.has_work and not self._pending
+        """Nothing waiting, nothing running, no step in flight and no event left to hand out."""
+        return not self.scheduler.has_work and not self._pending and self._in_flight is None
 
     def result(self, request_id: str) -> Result:
         """The request as it stands: an active one, or a finished one still retained (the
@@ -601,6 +674,7 @@ class Engine:
         """Cancel what is active and drop the KV tensors; events not yet handed out are dropped."""
         if self._closed:
             return
+        self._in_flight = None  # its tokens are dropped with the requests
         for request in list(self._requests.values()):
             for sample in samples.members(request):
                 if not sample.finished:

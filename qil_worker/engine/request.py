@@ -34,6 +34,8 @@ class SamplingRow:
     truncated: bool  # top-k, top-p or min-p
     # temperature and truncation are all: no logit_bias, penalties, min_new_tokens or logprobs
     plain: bool
+    # penalties or min_new_tokens: the next step's logits depend on the output read on the host
+    reads_output: bool
 
     @classmethod
     def of(cls, p: SamplingParams) -> "SamplingRow":
@@ -42,6 +44,7 @@ class SamplingRow:
             divisor=1.0 if p.greedy else p.temperature,
             truncated=p.truncated,
             plain=not (p.logit_bias or p.penalized or p.min_new_tokens or p.logprobs or p.top_logprobs),
+            reads_output=bool(p.penalized or p.min_new_tokens),
         )
 
 
@@ -77,6 +80,10 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None  # collected while the prompt is computed, if asked
     sample_index: int = 0  # which of the request's samples this is (``engine.samples``)
     group: "SampleGroup | None" = None  # the request's samples when it has several
+    # Overlapped steps (``engine.in_flight``): the row of this request's token in the step still
+    # on the device, whose value the host does not know yet (-1: none). That token counts in
+    # ``num_tokens`` (the scheduler gives it its decode row) but is not in ``output_token_ids``.
+    in_flight_row: int = -1
     # ``sampling`` as the sampler reads it every step (``sampling`` is fixed from construction on)
     sampling_row: SamplingRow = field(init=False, repr=False)
 
@@ -103,7 +110,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Tokens known: prompt, output, and the one in flight (if any)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + (self.in_flight_row >= 0)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, the one in flight included: the index of the next draw."""
+        return len(self.output_token_ids) + (self.in_flight_row >= 0)
 
     @property
     def finished(self) -> bool:

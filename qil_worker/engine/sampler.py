@@ -5,6 +5,10 @@ temperature → [logprobs are read here] → top-k → top-p → min-p → draw 
 grammar as transformers' processors). Requests with different settings share the batch; each
 stage runs only when some request in the step uses it.
 
+``sample_on_device`` leaves the tokens on the device (``DeviceSample``); reading them is the
+step's one host synchronisation, which an overlapped engine does only after launching the next
+step.
+
 Draws use inverse-CDF sampling with one uniform number per request, derived by hashing the
 request's seed with the index of the token being drawn. That makes a seeded request's tokens
 independent of what else is in the batch and of preemption (a recompute draws the same number
@@ -47,11 +51,16 @@ class Sampler:
             self.grammar_masks.prepare([r.grammar for r in requests], vocab)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
-        """``logits`` [S, vocab] (row i belongs to ``requests[i]``) → one token per request.
+        """``logits`` [S, vocab] (row i belongs to ``requests[i]``) → one token per request, read
+        on the host (``sample_on_device`` then ``DeviceSample.read``)."""
+        return self.sample_on_device(logits, requests).read()
 
-        The step's only host synchronisation is the final ``tolist``. Each request's
-        ``sampling_row`` (derived once) gives what every step needs of it; a batch of ``plain``
-        rows skips the logit-bias, penalty, min-tokens and logprob checks altogether.
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]) -> "DeviceSample":
+        """The tokens of ``logits``' rows (and their log-probabilities where asked), left on the
+        device: nothing here waits for the device, so a step can be launched and read later.
+
+        Each request's ``sampling_row`` (derived once) gives what every step needs of it; a batch
+        of ``plain`` rows skips the logit-bias, penalty, min-tokens and logprob checks altogether.
         """
         rows = [r.sampling_row for r in requests]
         device = logits.device
@@ -82,9 +91,10 @@ class Sampler:
             if any(row.truncated for row in rows):
                 logits = truncate(logits, params)
             cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
-            # greedy rows take the argmax below: their draw is never read, so none is derived
+            # greedy rows take the argmax below: their draw is never read, so none is derived;
+            # a row's draw index counts a token still in flight (overlapped steps)
             u = to_device(
-                [0.5 if row.greedy else uniform_for(r.seed, len(r.output_token_ids)) for r, row in zip(requests, rows)],
+                [0.5 if row.greedy else uniform_for(r.seed, r.num_output_tokens) for r, row in zip(requests, rows)],
                 device, torch.float32,
             )
             drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
@@ -95,21 +105,65 @@ class Sampler:
                 tokens = drawn
 
         if logprobs is None:
-            return SampleOutput(tokens.tolist(), [None] * len(requests), [None] * len(requests))
+            return DeviceSample(tokens)
         n_top = min(max(p.top_logprobs for p in params), logits.shape[1])
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         top_values, top_ids = logprobs.topk(n_top, dim=-1) if n_top else (None, None)
-        tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
-        top_v = top_values.tolist() if n_top else None
-        top_i = top_ids.tolist() if n_top else None
+        return DeviceSample(tokens, chosen, top_values, top_ids, [(p.logprobs, p.top_logprobs) for p in params])
+
+
+class DeviceSample:
+    """A step's sampled tokens [S] (and log-probabilities where asked) on the device, and their
+    way to the host: ``read()`` is the step's one host synchronisation.
+
+    On CUDA the copy to pinned host memory is queued at once, behind the sampling, with an event
+    after it: ``read()`` then waits for this step's work only, not for a later step launched
+    meanwhile (overlapped scheduling). Elsewhere ``read()`` is a plain ``tolist``."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        chosen: torch.Tensor | None = None,
+        top_values: torch.Tensor | None = None,
+        top_ids: torch.Tensor | None = None,
+        asked: list[tuple[bool, int]] | None = None,
+    ) -> None:
+        """``asked``: per row, (logprobs, top_logprobs) of its request, when any row asked."""
+        self.tokens = tokens  # stays on the device: the next step's inputs may be taken from it
+        self._asked = asked
+        host = [tokens, chosen, top_values, top_ids]
+        self._event = None
+        if tokens.device.type == "cuda":
+            host = [None if t is None else _pinned_copy(t) for t in host]
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(tokens.device))
+        self._host = host
+
+    def read(self) -> SampleOutput:
+        """The tokens on the host (waits for this step's sampling to end)."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, chosen, top_values, top_ids = self._host
+        tokens_l = tokens.tolist()
+        n = len(tokens_l)
+        if self._asked is None:
+            return SampleOutput(tokens_l, [None] * n, [None] * n)
+        chosen_l = chosen.tolist()
+        top_v = top_values.tolist() if top_values is not None else None
+        top_i = top_ids.tolist() if top_ids is not None else None
         out_lp: list[float | None] = []
         out_top: list[list[tuple[int, float]] | None] = []
-        for i, p in enumerate(params):
-            out_lp.append(chosen_l[i] if (p.logprobs or p.top_logprobs) else None)
-            out_top.append(
-                list(zip(top_i[i][: p.top_logprobs], top_v[i][: p.top_logprobs])) if p.top_logprobs else None
-            )
+        for i, (logprobs, top) in enumerate(self._asked):
+            out_lp.append(chosen_l[i] if (logprobs or top) else None)
+            out_top.append(list(zip(top_i[i][:top], top_v[i][:top])) if top else None)
         return SampleOutput(tokens_l, out_lp, out_top)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into pinned host memory without waiting (done once the stream gets there)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:

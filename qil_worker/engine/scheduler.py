@@ -8,6 +8,10 @@ When a running request cannot get a page, the most recently admitted running req
 preempted: its pages are freed and it goes back to the head of the queue to recompute its
 prompt and generated tokens later. The oldest request can always take the whole pool, so
 something always progresses.
+
+A request whose last sampled token is still on the device (an overlapped engine,
+``engine.in_flight``) counts that token in ``num_tokens`` and gets its decode row like any
+other, unless that token is its last.
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
+            if request.in_flight_row >= 0 and len(request.output_token_ids) + 1 >= request.max_new_tokens:
+                continue  # its token in flight is its last (``engine.in_flight``)
             count = min(request.num_tokens - request.num_computed_tokens, self.prefill_chunk, budget)
             table = request.page_table
             # most steps need no new page (a decode takes one every page_size tokens): test that first
@@ -134,6 +140,16 @@ class Scheduler:
                         self._announce(chunk)
             budget = self._admit(chosen, budget)
         return list(chosen.values())
+
+    def fits_without_preempting(self) -> bool:
+        """Whether the free pages cover every running request's next chunk as ``schedule``
+        could size it: then ``schedule`` preempts nobody (admission never preempts)."""
+        needed = 0
+        cap = min(self.prefill_chunk, self.token_budget)
+        for request in self.running:
+            count = min(request.num_tokens - request.num_computed_tokens, cap)
+            needed += request.page_table.extra_pages_for(request.num_computed_tokens + count)
+        return needed <= self.pool.num_free
 
     def _running_order(self) -> list[Request]:
         """Decodes first, prefill chunks after; the start rotates every step for fairness."""

@@ -80,6 +80,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--no-cuda-graphs", action="store_true",
         help="run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)",
     )
+    p.add_argument(
+        "--no-overlap", action="store_true",
+        help="read each step's tokens before scheduling the next, instead of scheduling it while "
+        "the device computes (overlapped scheduling: on by default on CUDA, off elsewhere)",
+    )
     tok = p.add_mutually_exclusive_group()
     tok.add_argument(
         "--tokenizer", default=None, metavar="DIR",
@@ -247,6 +252,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                 schedule_policy=args.schedule_policy,
                 attention=args.attention,
                 **({"cuda_graphs": False} if args.no_cuda_graphs else {}),
+                **({"overlap": False} if args.no_overlap else {}),
             ),
             kv_memory_bytes=args.kv_memory_bytes,
             kv_memory_fraction=args.kv_memory_fraction,

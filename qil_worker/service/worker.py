@@ -177,12 +177,12 @@ def _load(config: dict[str, Any]):
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, weights %s (%s); %d KV pages (%s); memory: %s; "
         "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
-        "structured output: %s; %d start-up objects frozen for the GC",
+        "overlapped scheduling: %s; structured output: %s; %d start-up objects frozen for the GC",
         info.name, time.perf_counter() - t0, info.dtype, info.device, info.weight_format,
         _mib(info.weight_bytes), pool.num_pages,
         info.kv_pool, info.memory, tokenizer_dir or "none", "on" if info.prefix_cache else "off",
         info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off",
-        "on" if info.structured_output else "off", frozen,
+        "on" if engine.overlap else "off", "on" if info.structured_output else "off", frozen,
     )
     return engine, info
 
