@@ -242,7 +242,7 @@ def test_a_constraint_that_does_not_compile_is_a_clear_error(capsys, text_dir):
     argv = ["generate", "--model", str(text_dir), "--prompt", "hello", "--regex", "([a-z"]
     assert worker_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: regex: ") and "unclosed character class" in err
+    assert err.startswith("error: regex: ") and "unclosed character class" in err, err
 
 
 def test_generate_exits_1_when_the_request_fails(capsys, text_dir, monkeypatch):
