@@ -112,7 +112,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            if request.in_flight_row >= 0 and len(request.output_token_ids) + 1 >= request.max_new_tokens:
+            if request.num_output_tokens >= request.max_new_tokens:
                 continue  # its token in flight is its last (``engine.in_flight``)
             count = min(request.num_tokens - request.num_computed_tokens, self.prefill_chunk, budget)
             table = request.page_table
