@@ -258,21 +258,31 @@ def test_preemption_matches_sync_and_transformers(model, ref, graphs):
     assert preemptions[False] > 0 and preemptions[True] > 0
 
 
-def test_scheduling_preempts_only_where_the_free_pages_could_not_cover_it(model):
-    """``fits_without_preempting``, the overlapped engine's test before scheduling beside a step
-    in flight: whenever it holds, the step preempts nobody."""
+def test_scheduling_beside_a_step_in_flight_gives_up_instead_of_preempting(model):
+    """``schedule(preempt=False)``, what an overlapped engine schedules with while a step is in
+    flight: where a chunk would need a preemption it returns None and preempts nobody, and the
+    same state scheduled with preemption then preempts."""
     engine = engine_for(model, overlap=False, num_pages=14, max_active=6)
-    for i, p in enumerate(prompts(6, seed=11, low=6, high=16)):
+    for p in prompts(6, seed=11, low=6, high=16):
         engine.submit(p, max_new_tokens=16)
+    scheduler = engine.scheduler
+
+    def preemptions():
+        return sum(r.metrics.num_preemptions for r in engine._requests.values())
+
     outcomes = set()
     while not engine.idle:
-        fits = engine.scheduler.fits_without_preempting()
-        before = sum(r.metrics.num_preemptions for r in engine._requests.values())
-        engine.step()
-        preempted = sum(r.metrics.num_preemptions for r in engine._requests.values()) > before
-        assert not (fits and preempted)
-        outcomes.add((fits, preempted))
-    assert (False, True) in outcomes and (True, False) in outcomes
+        running, before = list(scheduler.running), preemptions()
+        chosen = scheduler.schedule(preempt=False)
+        assert preemptions() == before, "giving up must not preempt"
+        if chosen is None:
+            assert scheduler.running == running
+            engine.step()
+            assert preemptions() > before, "the same state scheduled with preemption preempts"
+        else:
+            engine.step()
+        outcomes.add(chosen is None)
+    assert outcomes == {True, False}
     assert_pool_free(engine)
 
 

@@ -372,12 +372,16 @@ class Engine:
             self._requests.pop(event.request_id, None)
         previous, self._in_flight = self._in_flight, None
         read_before = False
-        if previous is not None and not (previous.stays_in_flight and self.scheduler.fits_without_preempting()):
-            # read first: the next step needs its tokens on the host, or scheduling may preempt
-            # and requests that ended in it free pages that may spare that
+        if previous is not None and not previous.stays_in_flight:  # the next step needs its tokens
             self._land(previous, events)
             previous, read_before = None, True
-        chunks = self.scheduler.schedule()
+        # beside a step in flight, scheduling gives up rather than preempt: requests that
+        # ended in that step free their pages once it is read, which may spare the preemption
+        chunks = self.scheduler.schedule(preempt=previous is None)
+        if chunks is None:
+            self._land(previous, events)
+            previous, read_before = None, True
+            chunks = self.scheduler.schedule()
         launched: InFlightStep | None = None
         failure: Exception | None = None
         if chunks:

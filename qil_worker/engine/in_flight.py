@@ -19,9 +19,10 @@ its token on the host before its next step can be built: a grammar (the next mas
 token), penalties or ``min_new_tokens`` (computed from the output on the host) or prompt
 log-probabilities; or when it forks the samples of an ``n > 1`` request (they start from the
 forking row's token; once forked, samples are requests of their own and overlap like any
-other). And the step in flight is read before scheduling when scheduling could preempt
-(``Scheduler.fits_without_preempting``): requests that ended in it then free their pages
-first, as a synchronous engine's would, and may spare the preemption.
+other). And beside a step in flight the scheduler gives up where it would preempt
+(``Scheduler.schedule(preempt=False)``); the step in flight is then read and scheduling
+retried, so requests that ended in it free their pages first, as a synchronous engine's would,
+and may spare the preemption.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def needs_host_token(request: Request) -> bool:
 
 def stays_in_flight(requests: list[Request], forks: list) -> bool:
     """Whether a step sampling ``requests`` (and forking ``forks``) may be read after the next
-    step is launched: the one place that decides which steps overlap (with the engine's
-    ``Scheduler.fits_without_preempting`` check)."""
+    step is launched: the one place that decides which steps overlap (besides a schedule
+    that would preempt, module docstring)."""
     return not forks and not any(needs_host_token(r) for r in requests)
 
 

@@ -100,9 +100,15 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
 
-    def schedule(self) -> list[ScheduledChunk]:
-        """Pick this step's work; pages for every chosen token are allocated on return."""
+    def schedule(self, preempt: bool = True) -> list[ScheduledChunk] | None:
+        """Pick this step's work; pages for every chosen token are allocated on return.
+
+        ``preempt`` False: give up instead, returning None, where a running request's chunk
+        would need a preemption. Nothing is undone then but the rotation; the pages taken so
+        far stay with their requests, whose chunks the retry asks for again.
+        """
         budget = self.token_budget
+        rotation = self._rotation
         chosen: dict[Request, ScheduledChunk] = {}
         preempted_any = False
         if self.prefix_cache is not None:
@@ -120,6 +126,9 @@ class Scheduler:
             if request.num_computed_tokens + count > len(table.pages) * table.page_size:
                 preempted_itself = False
                 while not table.grow(request.num_computed_tokens + count, self.pool):
+                    if not preempt:
+                        self._rotation = rotation
+                        return None
                     victim = max(self.running, key=lambda r: r.admitted_seq)
                     preempted_any = True
                     undone = chosen.pop(victim, None)
@@ -140,16 +149,6 @@ class Scheduler:
                         self._announce(chunk)
             budget = self._admit(chosen, budget)
         return list(chosen.values())
-
-    def fits_without_preempting(self) -> bool:
-        """Whether the free pages cover every running request's next chunk as ``schedule``
-        could size it: then ``schedule`` preempts nobody (admission never preempts)."""
-        needed = 0
-        cap = min(self.prefill_chunk, self.token_budget)
-        for request in self.running:
-            count = min(request.num_tokens - request.num_computed_tokens, cap)
-            needed += request.page_table.extra_pages_for(request.num_computed_tokens + count)
-        return needed <= self.pool.num_free
 
     def _running_order(self) -> list[Request]:
         """Decodes first, prefill chunks after; the start rotates every step for fairness."""
