@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU check: correctness on CUDA (varlen attention, decode CUDA graphs, overlapped
-# scheduling), decode-step timing graphs vs eager, the 256-request workload with overlapped
+# One prepared GPU check: correctness on CUDA (varlen attention, decode and mixed-step CUDA graphs,
+# overlapped scheduling), decode-step timing graphs vs eager, the 256-request workload with overlapped
 # scheduling on and off, then the throughput benchmark beside transformers. Installs nothing;
 # uses the machine's python3 with torch and transformers.
 # Without a GPU it runs a CPU fallback so the script itself is tested.
@@ -80,7 +80,7 @@ print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, 
         env QIL_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider -s -rs \
         tests/test_gpu.py tests/test_decode_graphs.py tests/test_model_logits.py \
         tests/test_engine_generate.py tests/test_engine_sampling.py tests/test_prefix_cache.py \
-        tests/test_overlap.py
+        tests/test_overlap.py tests/test_step_graphs.py
     run "0.6B-shaped model" 90 check model.log . "$py" -c '
 import sys; sys.path.insert(0, "scripts")
 from pathlib import Path
@@ -103,6 +103,9 @@ print("model ready")'
         --systems qil --json "$out/throughput_256.json"
     throughput "throughput: 256 requests as above — qil with --no-overlap" 90 throughput_256_no_overlap.log \
         --systems qil --no-overlap --json "$out/throughput_256_no_overlap.json"
+    # steps with prefill chunks from graphs (varlen backends only; graph_mixed_steps in the JSON)
+    throughput "throughput: 256 requests as above — qil with --no-step-graphs" 90 throughput_256_no_step_graphs.log \
+        --systems qil --no-step-graphs --json "$out/throughput_256_no_step_graphs.json"
     run "decode step: CUDA graphs vs eager (page size $page)" 90 bench decode_step.log "." \
         "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
         --batch 1 8 64 256
@@ -135,7 +138,7 @@ else
     echo "no CUDA device: CPU fallback (quick sizes)"
     run "engine tests (CPU)" 300 check tests.log "passed|failed|error" \
         "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_decode_graphs.py \
-        tests/test_model_logits.py
+        tests/test_step_graphs.py tests/test_model_logits.py
     run "decode step (quick)" 120 bench decode_step.log "." \
         "$py" scripts/bench_decode_step.py --quick --batch 1 8 --steps 5
     run "throughput (quick)" 300 bench throughput.log "^\[|workload|Error" \

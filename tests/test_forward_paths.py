@@ -15,6 +15,7 @@ from engine_helpers import reference_greedy, run_to_completion
 from varlen_helpers import use_reference_packed_kernel, use_reference_varlen
 from qil_worker import Engine, Qwen3
 from qil_worker.engine.decode_graphs import DecodeGraphs
+from qil_worker.engine.graph_capture import GraphCapture
 from qil_worker.engine.probe import ForwardProbe
 from qil_worker.kv import KVCache
 from qil_worker.attention import PACKED, PAGED, choice, cpu
@@ -130,7 +131,8 @@ def test_packed_key_bucket_covers_the_padded_rows(cpu_model):
     c = cpu_model.config
     kv = KVCache(c.num_hidden_layers, 8, 4, c.num_key_value_heads, c.head_dim, cpu_model.dtype,
                  cpu_model.device, scratch_pages=1)
-    graphs = DecodeGraphs(cpu_model, kv, page_size=4, max_batch=8, max_context=1024, attention=reference_backend(PACKED))
+    graphs = DecodeGraphs(cpu_model, kv, page_size=4, max_batch=8, max_context=1024, attention=reference_backend(PACKED),
+                          capture=GraphCapture(cpu_model.device))
     for ends in ([342, 341, 341], [1019, 1, 1, 1, 1]):
         batch, _, keys = graphs._shape([SimpleNamespace(end=e) for e in ends])
         assert keys >= sum(ends) + (batch - len(ends)), (ends, batch, keys)

@@ -1,7 +1,7 @@
 """The step's host fast paths give exactly what the general paths give.
 
 Fast paths: one-token chunks in ``build_step_batch`` (``_one_token_each`` beside
-``_flat_tokens``), the sampler's ``plain`` rows (``SamplingRow``), page tables kept as arrays
+``flat_tokens``), the sampler's ``plain`` rows (``SamplingRow``), page tables kept as arrays
 (``Request.page_ids``), token events made without the frozen ``__init__``
 (``Event.of_token``), typed arrays into tensors (``transfer.host_tensor``). Each is checked on
 its own, and an engine with all of them is checked against one with each replaced by its
@@ -120,7 +120,7 @@ def test_one_token_chunks_build_what_the_general_builder_builds():
     recompute = _request(7, output=4)
     chunks.append(ScheduledChunk(recompute, 6, 1))
     fast = batch_module._one_token_each(chunks)
-    general = batch_module._flat_tokens(chunks)
+    general = batch_module.flat_tokens(chunks)
     assert fast.input_ids == general.input_ids
     assert fast.positions == general.positions
     assert torch.equal(fast.rows, general.rows)
@@ -153,7 +153,7 @@ def test_sampling_rows_read_as_the_params(params):
 
 def _general_paths(monkeypatch) -> None:
     """Replace every fast path by its general counterpart."""
-    monkeypatch.setattr(batch_module, "_one_token_each", batch_module._flat_tokens)
+    monkeypatch.setattr(batch_module, "_one_token_each", batch_module.flat_tokens)
     of = SamplingRow.of.__func__
     monkeypatch.setattr(SamplingRow, "of", classmethod(lambda cls, p: dataclasses.replace(of(cls, p), plain=False)))
     monkeypatch.setattr(Request, "page_ids", lambda self: array("q", self.page_table.pages))

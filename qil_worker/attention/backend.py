@@ -56,6 +56,9 @@ class AttentionBackend(ABC):
     packs_keys: bool = False
     # decode graphs: keys are gathered into a workspace that a captured graph keeps reserved
     gathers_keys: bool = True
+    # mixed-step graphs: ``static_step_metadata`` builds any step's metadata from fixed-size
+    # buffers (backends whose metadata are offsets and tables, not per-group padded shapes)
+    static_steps: bool = False
 
     @abstractmethod
     def step_metadata(self, step: StepLayout) -> StepAttention:
@@ -81,3 +84,27 @@ class AttentionBackend(ABC):
         packed key gather (at least the rows' total); slots after the last row's keys read
         ``scratch_slot``.
         """
+
+    def static_step_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        tables: torch.Tensor,
+        cu_seq_q: torch.Tensor,
+        seq_used_k: torch.Tensor,
+        page_size: int,
+        max_q: int,
+        max_k: int,
+        causal: bool = True,
+        keys: int = 0,
+        scratch_slot: int = 0,
+    ) -> StepAttention:
+        """Metadata for any step from fixed-size tensors, derived on the device (graph-safe);
+        only where ``static_steps``.
+
+        ``tables`` [R, pages] page ids, ``cu_seq_q`` [R+1] int32 query offsets in the flat
+        tokens, ``seq_used_k`` [R] int32 keys of each request (its queries are its last ones);
+        ``max_q`` / ``max_k`` bound every request's. ``causal`` False: every request has one
+        query. ``packs_keys`` backends: ``keys``, the static length of the packed key gather (at
+        least the total); slots after the last request's keys read ``scratch_slot``.
+        """
+        raise NotImplementedError(f"attention backend {self.name!r} has no static step metadata")

@@ -105,6 +105,7 @@ class VarlenPaged(AttentionBackend):
 
     name = PAGED
     gathers_keys = False
+    static_steps = True
 
     def __init__(self, kernel: Callable | None = None) -> None:
         self.kernel = kernel if kernel is not None else torch_varlen_attn()
@@ -153,14 +154,37 @@ class VarlenPaged(AttentionBackend):
         keys: int = 0,
         scratch_slot: int = 0,
     ) -> VarlenMetadata:
-        rows = torch.arange(tables.shape[0], device=tables.device)
-        used = (positions + 1).to(torch.int32)
+        rows = tables.shape[0]
+        return self.static_step_metadata(
+            kv_slots(tables, positions, page_size, rows=torch.arange(rows, device=tables.device)),
+            tables,
+            torch.arange(rows + 1, dtype=torch.int32, device=tables.device),
+            (positions + 1).to(torch.int32),
+            page_size, 1, context, causal=False, keys=keys, scratch_slot=scratch_slot,
+        )
+
+    def static_step_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        tables: torch.Tensor,
+        cu_seq_q: torch.Tensor,
+        seq_used_k: torch.Tensor,
+        page_size: int,
+        max_q: int,
+        max_k: int,
+        causal: bool = True,
+        keys: int = 0,
+        scratch_slot: int = 0,
+    ) -> VarlenMetadata:
         cu_k = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
-        cu_k[1:] = used.cumsum(0, dtype=torch.int32)
+        cu_k[1:] = seq_used_k.cumsum(0, dtype=torch.int32)
+        key_slots = (
+            static_packed_key_slots(tables, seq_used_k, cu_k, keys, page_size, scratch_slot)
+            if self.packs_keys
+            else None
+        )
         return self.metadata(
-            kv_slots(tables, positions, page_size, rows=rows),
-            torch.arange(tables.shape[0] + 1, dtype=torch.int32, device=tables.device),
-            cu_k, used, tables, 1, context, False, page_size, None,
+            slot_mapping, cu_seq_q, cu_k, seq_used_k, tables, max_q, max_k, causal, page_size, key_slots,
         )
 
 
@@ -170,32 +194,6 @@ class VarlenPacked(VarlenPaged):
     name = PACKED
     packs_keys = True
     gathers_keys = True
-
-    def decode_metadata(
-        self,
-        tables: torch.Tensor,
-        positions: torch.Tensor,
-        page_size: int,
-        context: int,
-        query_groups: int,
-        keys: int = 0,
-        scratch_slot: int = 0,
-    ) -> VarlenMetadata:
-        rows = torch.arange(tables.shape[0], device=tables.device)
-        used = positions + 1
-        ends = used.cumsum(0)
-        index = torch.arange(keys, device=tables.device)
-        row = torch.searchsorted(ends, index, right=True).clamp_(max=tables.shape[0] - 1)
-        position = (index - ends[row] + used[row]).clamp_(0, tables.shape[1] * page_size - 1)
-        slots = kv_slots(tables, position, page_size, rows=row)
-        cu_k = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
-        cu_k[1:] = ends
-        return self.metadata(
-            kv_slots(tables, positions, page_size, rows=rows),
-            torch.arange(tables.shape[0] + 1, dtype=torch.int32, device=tables.device),
-            cu_k, used.to(torch.int32), tables, 1, context, False, page_size,
-            torch.where(index < ends[-1], slots, scratch_slot),
-        )
 
 
 def packed_key_slots(
@@ -208,3 +206,18 @@ def packed_key_slots(
     )
     position = torch.arange(total, device=tables.device) - cu_lengths[:-1].long()[row]
     return kv_slots(tables, position, page_size, rows=row)
+
+
+def static_packed_key_slots(
+    tables: torch.Tensor, lengths: torch.Tensor, cu_lengths: torch.Tensor, keys: int, page_size: int,
+    scratch_slot: int,
+) -> torch.Tensor:
+    """``packed_key_slots`` into a gather of a static length ``keys`` (at least the total): the
+    rows' key slots back to back, then ``scratch_slot`` — no output size that depends on the
+    lengths, so it can be captured."""
+    ends = cu_lengths[1:].long()
+    index = torch.arange(keys, device=tables.device)
+    row = torch.searchsorted(ends, index, right=True).clamp_(max=tables.shape[0] - 1)
+    position = (index - ends[row] + lengths.long()[row]).clamp_(0, tables.shape[1] * page_size - 1)
+    slots = kv_slots(tables, position, page_size, rows=row)
+    return torch.where(index < ends[-1], slots, scratch_slot)

@@ -58,7 +58,7 @@ def build_step_batch(
     if len(decodes) == len(ordered) and all(c.request.prompt_logprobs is None for c in ordered):
         tokens = _one_token_each(ordered)
     else:
-        tokens = _flat_tokens(ordered)
+        tokens = flat_tokens(ordered)
 
     tables = page_tables(ordered).to(device, non_blocking=True)
     positions_t = to_device(tokens.positions, device, torch.long)
@@ -79,7 +79,7 @@ def build_step_batch(
 
 
 @dataclass
-class _StepTokens:
+class StepTokens:
     """The step's flat tokens on the host, before they become tensors."""
 
     input_ids: list[int]
@@ -93,11 +93,11 @@ class _StepTokens:
     in_flight_sources: list[int]
 
 
-def _one_token_each(ordered: list[ScheduledChunk]) -> _StepTokens:
+def _one_token_each(ordered: list[ScheduledChunk]) -> StepTokens:
     """A step of one-token chunks (decodes), none scoring its prompt: token i is chunk i's."""
     sampled_rows = [row for row, c in enumerate(ordered) if c.samples]
     input_ids, in_flight_indices, in_flight_sources = decode_inputs(ordered)
-    return _StepTokens(
+    return StepTokens(
         input_ids=input_ids,
         positions=[c.start for c in ordered],
         rows=torch.arange(len(ordered)),
@@ -109,7 +109,7 @@ def _one_token_each(ordered: list[ScheduledChunk]) -> _StepTokens:
     )
 
 
-def _flat_tokens(ordered: list[ScheduledChunk]) -> _StepTokens:
+def flat_tokens(ordered: list[ScheduledChunk]) -> StepTokens:
     """Any step: every chunk's tokens in order, and the prompt positions scored on the way."""
     input_ids: list[int] = []
     positions: list[int] = []
@@ -137,7 +137,7 @@ def _flat_tokens(ordered: list[ScheduledChunk]) -> _StepTokens:
             sample_indices.append(len(input_ids) - 1)
             sampled.append(chunk)
     lengths = host_tensor([c.num_tokens for c in ordered], torch.long)
-    return _StepTokens(
+    return StepTokens(
         input_ids=input_ids,
         positions=positions,
         rows=torch.repeat_interleave(torch.arange(len(ordered)), lengths),

@@ -22,20 +22,17 @@ capture — this is how CPU tests check the padding, scratch page and bucket log
 from __future__ import annotations
 
 import bisect
-import logging
-import time
 
 import torch
 
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.engine.batch import page_tables
+from qil_worker.engine.graph_capture import GraphCapture
 from qil_worker.engine.in_flight import decode_inputs, fill_inputs
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import host_tensor
 from qil_worker.kv import KVCache
 from qil_worker.model import Qwen3
-
-log = logging.getLogger(__name__)
 
 SMALL_BATCHES = (1, 2, 4, 8)
 MIN_CONTEXT_BUCKET = 256
@@ -85,15 +82,17 @@ class DecodeGraphs:
         max_batch: int,
         max_context: int,
         attention: AttentionBackend,
+        capture: GraphCapture,
     ) -> None:
-        """``attention``: the engine's backend, which builds the metadata inside each graph."""
+        """``attention``: the engine's backend, which builds the metadata inside each graph;
+        ``capture``: the engine's (its pool is shared with the mixed-step graphs)."""
         if kv.scratch_page is None:
             raise ValueError("the KV cache needs a scratch page for padded decode rows")
         self.model = model
         self.kv = kv
         self.page_size = page_size
         self.attention = attention
-        self.capture = model.device.type == "cuda"  # False after a failed capture: eager from then on
+        self.capture = capture
         self._pin = model.device.type == "cuda"  # staging buffers in pinned memory
         self._bytes_per_key = kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
         self.batches = batch_buckets(max_batch)
@@ -107,11 +106,6 @@ class DecodeGraphs:
             (self.batches[-1], max_pages), kv.scratch_page, dtype=torch.long, device=device
         )
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-        # one capture stream for every graph: the allocator reuses a pool's blocks only on the
-        # stream they were captured on, so graphs on separate streams would not share memory
-        self._stream = torch.cuda.Stream(device) if self.capture else None
-        self.capture_seconds = 0.0
         self.steps = 0  # decode steps run through this path
 
     @property
@@ -150,12 +144,11 @@ class DecodeGraphs:
         # packed graphs read the whole table width, so one graph serves every context
         shape = (batch, keys) if self.attention.packs_keys else (batch, context)
         captured = self._graphs.get(shape)
-        if captured is None and self.capture:
-            try:
-                captured = self._capture(shape)
-            except Exception:  # noqa: BLE001 - a build that cannot capture still serves, eagerly
-                log.warning("CUDA graph capture failed; decode steps run eagerly from now on", exc_info=True)
-                self.capture = False
+        if captured is None and self.capture.enabled:
+            what = f"decode, batch {shape[0]}, {'keys' if self.attention.packs_keys else 'context'} {shape[1]}"
+            captured = self.capture.capture(lambda: self._body(shape), what)
+            if captured is not None:
+                self._graphs[shape] = captured
         if captured is None:
             hidden = self._body(shape)
         else:
@@ -199,27 +192,3 @@ class DecodeGraphs:
                 self._tables[:batch, : second // self.page_size], positions, self.page_size, second, query_groups,
             )
         return self.model.hidden_states(self._ids[:batch], positions, meta, self.kv)
-
-    def _capture(self, shape: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        t0 = time.perf_counter()
-        # On the model's device even when it is not the current one (cuda:1): kernels go to the
-        # current stream of their tensors' device, and only that stream's work is captured.
-        with torch.cuda.device(self.model.device):
-            side = self._stream
-            side.wait_stream(torch.cuda.current_stream(self.model.device))
-            with torch.cuda.stream(side):  # warm up outside capture (lazy init, workspace sizes)
-                self._body(shape)
-            torch.cuda.current_stream(self.model.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=side):
-                hidden = self._body(shape)
-        self._graphs[shape] = (graph, hidden)
-        seconds = time.perf_counter() - t0
-        self.capture_seconds += seconds
-        log.info(
-            "captured decode CUDA graph: batch %d, %s %d, in %.0f ms (%d graphs, %.1f s total)",
-            shape[0], "keys" if self.attention.packs_keys else "context", shape[1], 1000 * seconds,
-            len(self._graphs), self.capture_seconds,
-        )
-        return graph, hidden
-

@@ -20,6 +20,8 @@ from qil_worker.engine import prompt_logprobs
 from qil_worker.engine.batch import build_step_batch
 from qil_worker.engine import samples
 from qil_worker.engine.decode_graphs import DecodeGraphs
+from qil_worker.engine.graph_capture import GraphCapture
+from qil_worker.engine.step_graphs import StepGraphs
 from qil_worker.engine.in_flight import InFlightStep, stays_in_flight
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
 from qil_worker.engine.request import Request
@@ -112,10 +114,13 @@ class Engine:
         attention: str | AttentionBackend = "auto",
         retained_results: int = RETAINED_RESULTS,
         overlap: bool | None = None,
+        step_graphs: bool | None = None,
     ) -> None:
         """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
         off with ``debug``). Given ``True`` on another device, the same padded decode path runs
-        without capture (for tests). ``schedule_policy``: the order waiting requests are admitted
+        without capture (for tests). ``step_graphs``: with ``cuda_graphs``, replay the other
+        steps (prefill chunks beside decodes) from graphs too, where the attention backend
+        builds their metadata in a graph (``engine.step_graphs``; default: then on). ``schedule_policy``: the order waiting requests are admitted
         in, ``"fcfs"`` or ``"shortest-first"`` (see ``qil_worker.engine.schedule_policy``).
         ``attention``: ``"auto"``, ``"sdpa"``, ``"varlen"`` (paged) or ``"varlen-packed"`` (CUDA;
         see ``qil_worker.attention.choice``), or a backend object (``attention.backend``).
@@ -163,15 +168,33 @@ class Engine:
         self.attention_backend = self.attention.name  # as GetInfo reports it
         if why_not and model.device.type == "cuda":
             log.info("attention: gather + SDPA (paged varlen flash attention unavailable: %s)", why_not)
+        max_context = min(c.max_position_embeddings, num_pages * page_size)
+        self.graph_capture = GraphCapture(model.device) if cuda_graphs else None
         self.decode_graphs = (
             DecodeGraphs(
                 model, self.kv, page_size, max_batch=min(max_active, MAX_GRAPH_BATCH),
-                max_context=min(c.max_position_embeddings, num_pages * page_size),
-                attention=self.attention,
+                max_context=max_context, attention=self.attention, capture=self.graph_capture,
             )
             if cuda_graphs
             else None
         )
+        if step_graphs and not (cuda_graphs and self.attention.static_steps):
+            raise ValueError(
+                f"step_graphs needs cuda_graphs and an attention backend that builds a step's metadata "
+                f"in a graph (varlen), not {self.attention.name!r}"
+            )
+        self.step_graphs = (
+            StepGraphs(
+                model, self.kv, page_size, max_tokens=token_budget, max_chunk=min(prefill_chunk, token_budget),
+                max_requests=min(max_active, MAX_GRAPH_BATCH), max_context=max_context,
+                attention=self.attention, capture=self.graph_capture,
+            )
+            if cuda_graphs and self.attention.static_steps and step_graphs is not False
+            else None
+        )
+        if cuda_graphs and model.device.type == "cuda":
+            log.info("CUDA graphs: decode steps%s", " and mixed steps" if self.step_graphs else
+                     f" (mixed steps run eagerly: attention {self.attention.name!r} builds no metadata in a graph)")
         self._eos_ids = frozenset(c.eos_token_ids)
         # requests whose final event is not handed out yet (active ones, cancels in ``_pending``)
         self._requests: dict[str, Request] = {}
@@ -422,6 +445,11 @@ class Engine:
             sampled_requests = [c.request for c in chunks]
             self.sampler.prepare(sampled_requests, vocab)
             logits = self.decode_graphs.run(chunks, in_flight_tokens)
+        elif self.step_graphs is not None and (bucket := self.step_graphs.bucket(chunks)) is not None:
+            computed = chunks
+            sampled_requests = [c.request for c in chunks if c.samples]  # the logits' rows
+            self.sampler.prepare(sampled_requests, vocab)
+            logits = self.step_graphs.run(chunks, bucket, in_flight_tokens)
         else:
             batch = build_step_batch(
                 chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
@@ -685,7 +713,7 @@ class Engine:
                     self._finish(sample, FinishReason.CANCELLED)
         self._pending.clear()
         self._closed = True
-        self.decode_graphs = None  # graphs hold the KV tensors' addresses
+        self.decode_graphs = self.step_graphs = None  # graphs hold the KV tensors' addresses
         self.kv.k = self.kv.v = torch.empty(0)
 
     def _check_open(self) -> None:

@@ -1,0 +1,161 @@
+"""Steps with prefill chunks through the padded static buffers behind CUDA graphs (``step_graphs``).
+
+On CPU the buffers, pad requests and in-graph metadata run without capture, computed by the
+plain-torch varlen reference kernel, which asserts that the fixed ``max_q`` / ``max_k`` bound
+every request; tokens are checked against transformers.
+"""
+
+import random
+
+import pytest
+
+from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
+from qil_worker import Engine, FinishReason
+from qil_worker.attention import PACKED, PAGED
+from qil_worker.attention.reference import reference_backend
+from qil_worker.engine.step_graphs import pad_requests, request_buckets, token_buckets
+
+
+def _prompts(lengths, seed=3):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 97) for _ in range(n)] for n in lengths]  # 0 is the reference's pad id
+
+
+@pytest.fixture(params=[PAGED, PACKED])
+def backend(request):
+    """The varlen backends computed by the reference kernel (on CUDA too: it reads the offsets on
+    the host, so capturing it fails and these steps fall back to the same padded path eagerly;
+    real graphs of torch's kernel are ``test_gpu.py``'s)."""
+    return reference_backend(request.param)
+
+
+def _engine(model, backend, **kwargs):
+    return Engine(model, cuda_graphs=True, attention=backend, **kwargs)
+
+
+def test_buckets():
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(10) == [10]
+    assert request_buckets(8) == [1, 2, 4, 8, 9]
+    assert request_buckets(6) == [1, 2, 4, 7]  # a step of all 6 still has room for a pad request
+
+
+def test_pad_requests_fill_the_bucket_with_one_to_max_q_tokens_each():
+    for tokens in range(1, 40):
+        for requests in range(1, 8):
+            for token_bucket in (16, 32, 64):
+                for request_bucket in (1, 2, 4, 8):
+                    for max_q in (1, 4, 16):
+                        pads = pad_requests(tokens, requests, token_bucket, request_bucket, max_q)
+                        spare, count = token_bucket - tokens, request_bucket - requests
+                        fits = (spare == count == 0) or (0 < count <= spare <= count * max_q)
+                        assert (pads is not None) == fits, (tokens, requests, token_bucket, request_bucket, max_q)
+                        if pads is not None:
+                            assert len(pads) == count and sum(pads) == spare
+                            assert all(1 <= p <= max_q for p in pads)
+                            assert max(pads, default=0) - min(pads, default=0) <= 1
+
+
+def test_the_engine_picks_the_smallest_bucket_that_holds_the_step(model, backend):
+    engine = _engine(model, backend, num_pages=64, page_size=4, token_budget=64, prefill_chunk=32)
+    graphs = engine.step_graphs
+    assert graphs is not None and graphs.tokens == [16, 32, 64] and graphs.requests[-1] == 65
+    ids = [engine.submit(p, max_new_tokens=3) for p in _prompts([20, 5, 9])]
+    chunks = engine.scheduler.schedule()
+    assert sum(c.num_tokens for c in chunks) == 34  # 20 + 5 + 9
+    bucket = graphs.bucket(chunks)
+    # 34 tokens → 64; 3 requests → 4: one pad request of the 30 spare tokens (max_q is 32)
+    assert (bucket.tokens, bucket.requests, bucket.pads) == (64, 4, (30,))
+    if backend.packs_keys:
+        assert bucket.keys == 1024 and bucket.keys >= 34 + 30
+    engine.scheduler.commit(chunks)
+    for i in ids:
+        engine.cancel(i)
+    run_to_completion(engine)
+    assert_pool_free(engine)
+
+
+def test_mixed_steps_match_transformers(model, ref, backend):
+    """Prefill chunks beside decodes, arrivals while others decode, chunked prompts."""
+    prompts = _prompts([3, 30, 11, 45, 7, 19], seed=4)
+    expected = [reference_greedy(ref, p, 10) for p in prompts]
+    engine = _engine(model, backend, num_pages=96, page_size=4, token_budget=24, prefill_chunk=12)
+    ids = []
+    for step, prompt in enumerate(prompts):
+        ids.append(engine.submit(prompt, max_new_tokens=10))
+        engine.step()
+        engine.step()
+    run_to_completion(engine)
+    results = [engine.result(i) for i in ids]
+    assert [r.output_token_ids for r in results] == expected
+    assert all(r.finish_reason is FinishReason.LENGTH for r in results)
+    assert engine.step_graphs.steps >= 6 and engine.decode_graphs.steps > 0
+    assert_pool_free(engine)
+
+
+def test_overlapped_mixed_steps_take_in_flight_tokens_into_the_static_inputs(model, ref, backend):
+    prompts = _prompts([5, 26, 13, 40], seed=8)
+    expected = [reference_greedy(ref, p, 9) for p in prompts]
+    engine = _engine(model, backend, num_pages=96, page_size=4, token_budget=16, prefill_chunk=8, overlap=True)
+    ids = [engine.submit(prompts[0], max_new_tokens=9)]
+    for prompt in prompts[1:]:
+        engine.step()
+        engine.step()
+        ids.append(engine.submit(prompt, max_new_tokens=9))
+    run_to_completion(engine)
+    assert [engine.result(i).output_token_ids for i in ids] == expected
+    assert engine.overlapped_steps > 0 and engine.step_graphs.steps > 0
+    assert_pool_free(engine)
+
+
+def test_mixed_steps_with_preemption_and_cancel_free_every_page(model, ref, backend):
+    prompts = _prompts([3, 9, 17, 40, 70, 2], seed=11)
+    expected = [reference_greedy(ref, p, 10) for p in prompts]
+    engine = _engine(model, backend, num_pages=30, page_size=4, token_budget=32, prefill_chunk=16)
+    ids = [engine.submit(p, max_new_tokens=10) for p in prompts]
+    victim = engine.submit(_prompts([30], seed=5)[0], max_new_tokens=10)
+    for _ in range(12):
+        engine.step()
+    engine.cancel(victim)
+    run_to_completion(engine)
+    results = [engine.result(i) for i in ids]
+    assert [r.output_token_ids for r in results] == expected
+    assert sum(r.num_preemptions for r in results) > 0, "the pool was meant to force preemption"
+    assert engine.result(victim).finish_reason is FinishReason.CANCELLED
+    assert engine.step_graphs.steps > 0
+    assert_pool_free(engine)
+
+
+def test_pad_tokens_only_touch_the_scratch_page(model, backend):
+    """Pages no request owns keep their contents when a step is padded to its bucket."""
+    engine = _engine(model, backend, num_pages=16, page_size=4, token_budget=64, prefill_chunk=64)
+    marker = 7.0
+    engine.kv.k.fill_(marker)
+    engine.kv.v.fill_(marker)
+    engine.generate(_prompts([10, 7]), max_new_tokens=1)  # one step of 17 tokens → bucket 32
+    assert engine.step_graphs.steps == 1
+    written = {
+        page for page in range(engine.pool.total) if not bool((engine.kv.k[:, page * 4 : (page + 1) * 4] == marker).all())
+    }
+    assert len(written) == 3 + 2, f"two prompts of 10 and 7 tokens wrote into pages {sorted(written)}"
+    scratch = engine.kv.scratch_page * engine.page_size
+    assert not bool((engine.kv.k[:, scratch : scratch + 4] == marker).all()), "padding wrote nowhere"
+
+
+def test_steps_scoring_prompt_logprobs_run_eagerly(model, ref, backend):
+    prompt = _prompts([12], seed=9)[0]
+    engine = _engine(model, backend, num_pages=32, page_size=4)
+    result = engine.generate([prompt], max_new_tokens=4, prompt_logprobs=0)[0]
+    assert result.output_token_ids == reference_greedy(ref, prompt, 4)
+    assert len(result.prompt_logprobs) == len(prompt) - 1  # every token after the first
+    assert engine.step_graphs.steps == 0 and engine.decode_graphs.steps > 0
+    assert_pool_free(engine)
+
+
+def test_step_graphs_need_a_backend_that_builds_metadata_in_a_graph(model):
+    assert Engine(model, num_pages=8, cuda_graphs=True).step_graphs is None  # the CPU backend: no
+    with pytest.raises(ValueError, match="step_graphs needs cuda_graphs"):
+        Engine(model, num_pages=8, cuda_graphs=True, step_graphs=True)
+    engine = Engine(model, num_pages=8, cuda_graphs=True, attention=reference_backend(PAGED), step_graphs=False)
+    assert engine.step_graphs is None and engine.decode_graphs is not None
