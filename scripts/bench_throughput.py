@@ -145,6 +145,7 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
     }
     if getattr(engine, "step_graphs", None) is not None:  # steps with prefill chunks, padded
         extra["graph_mixed_steps"] = engine.step_graphs.steps
+        extra["eager_steps"] = engine.step_graphs.misses  # fit no graph bucket (or scored prompts)
     if hasattr(engine, "overlap"):
         extra.update(overlap="on" if engine.overlap else "off", overlapped_steps=engine.overlapped_steps)
     engine.close()

@@ -61,7 +61,11 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "on"
 for page in (16, 64, 256):
     for mode in (PAGED, PACKED):
         why = probe_varlen(torch.device("cuda"), torch.bfloat16, page, 16, 8, 128, mode)
-        print(f"varlen attention {mode}, page size {page}:", why or "OK")'
+        print(f"varlen attention {mode}, page size {page}:", why or "OK")
+import logging; logging.basicConfig(level=logging.INFO)  # the timings of auto (attention.measure)
+from qil_worker.attention.choice import auto_choice
+for page in (16, 64):
+    print(f"auto attention, page size {page}:", auto_choice(torch.device("cuda"), torch.bfloat16, page, 16, 8, 128))'
     # the page size the paged varlen kernel accepts (if any) is used for the benchmarks
     page=$(timeout 120 "$py" -c '
 import torch

@@ -55,6 +55,8 @@ def test_memory_fraction_leaves_room_for_the_largest_step(model):
     free_before, _ = torch.cuda.mem_get_info(model.device)
     size = size_pool(model, 16, memory_fraction=0.002, warmup_tokens=256)
     assert "activation peak of a 256-token step" in size.reason
+    with_graphs = size_pool(model, 16, memory_fraction=0.002, warmup_tokens=256, graphs=True)
+    assert "(twice: eager and in CUDA graphs)" in with_graphs.reason
     assert size.total_bytes <= 0.002 * free_before + bytes_per_page(model, 16)
     engine = Engine(model, num_pages=size.num_pages, page_size=16, token_budget=256, prefill_chunk=256)
     (result,) = engine.generate([[1] * 255], max_new_tokens=2)

@@ -60,6 +60,8 @@ def test_prefix_cache_and_tokenizer_flags():
     assert config_from_args(_parse(["--no-cuda-graphs"])).front.engine["cuda_graphs"] is False
     assert "overlap" not in cfg.front.engine  # the engine decides: on for CUDA
     assert config_from_args(_parse(["--no-overlap"])).front.engine["overlap"] is False
+    assert config_from_args(_parse(["--no-step-graphs"])).front.engine["step_graphs"] is False
+    assert "step_graphs" not in config_from_args(_parse([])).front.engine
     assert cfg.front.tokenizer == "/tok" and cfg.front.use_tokenizer
     cfg = config_from_args(_parse(["--no-tokenizer"]))
     assert not cfg.front.use_tokenizer

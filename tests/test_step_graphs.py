@@ -13,7 +13,7 @@ from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
 from qil_worker import Engine, FinishReason
 from qil_worker.attention import PACKED, PAGED
 from qil_worker.attention.reference import reference_backend
-from qil_worker.engine.step_graphs import pad_requests, request_buckets, token_buckets
+from qil_worker.engine.step_graphs import bucket_max_q, pad_requests, request_buckets, token_buckets
 
 
 def _prompts(lengths, seed=3):
@@ -34,11 +34,36 @@ def _engine(model, backend, **kwargs):
 
 
 def test_buckets():
-    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
-    assert token_buckets(100) == [16, 32, 64, 100]
-    assert token_buckets(10) == [10]
+    assert token_buckets(512, 65) == [16, 32, 64, 128, 256, 512, 577]
+    assert token_buckets(100, 9) == [16, 32, 64, 100, 109]
+    assert token_buckets(10, 3) == [10, 13]
     assert request_buckets(8) == [1, 2, 4, 8, 9]
     assert request_buckets(6) == [1, 2, 4, 7]  # a step of all 6 still has room for a pad request
+    assert [bucket_max_q(t, 2048) for t in (16, 2048, 4096, 4353)] == [16, 2048, 2048, 2176]
+    assert bucket_max_q(8192, 512) == 4096  # one pad request takes the spare of a step above 4096
+
+
+@pytest.mark.parametrize(
+    "budget, chunk, max_requests",
+    [(4096, 2048, 256), (512, 512, 64), (24, 12, 6), (64, 32, 64), (8192, 512, 512), (100, 7, 30), (1000, 1000, 1)],
+)
+def test_every_step_the_scheduler_can_make_fits_a_bucket(budget, chunk, max_requests):
+    """T tokens over R requests (each 1..chunk tokens, T within the budget): some bucket holds
+    them with valid pad requests. Edges, then a seeded sample of the rest."""
+    rng = random.Random(budget)
+    requests = request_buckets(max_requests)
+    tokens = token_buckets(budget, requests[-1])
+    steps = [(min(budget, r * chunk), r) for r in (1, 2, max_requests)] + [(r, r) for r in (1, max_requests)]
+    for _ in range(3000):
+        r = rng.randint(1, max_requests)
+        steps.append((rng.randint(r, min(budget, r * chunk)), r))
+    for t, r in steps:
+        if t > budget or t < r:
+            continue
+        assert any(
+            pad_requests(t, r, tb, rb, bucket_max_q(tb, chunk)) is not None
+            for tb in tokens if tb >= t for rb in requests if rb >= r
+        ), (t, r)
 
 
 def test_pad_requests_fill_the_bucket_with_one_to_max_q_tokens_each():
@@ -60,7 +85,7 @@ def test_pad_requests_fill_the_bucket_with_one_to_max_q_tokens_each():
 def test_the_engine_picks_the_smallest_bucket_that_holds_the_step(model, backend):
     engine = _engine(model, backend, num_pages=64, page_size=4, token_budget=64, prefill_chunk=32)
     graphs = engine.step_graphs
-    assert graphs is not None and graphs.tokens == [16, 32, 64] and graphs.requests[-1] == 65
+    assert graphs is not None and graphs.tokens == [16, 32, 64, 129] and graphs.requests[-1] == 65
     ids = [engine.submit(p, max_new_tokens=3) for p in _prompts([20, 5, 9])]
     chunks = engine.scheduler.schedule()
     assert sum(c.num_tokens for c in chunks) == 34  # 20 + 5 + 9
@@ -91,6 +116,7 @@ def test_mixed_steps_match_transformers(model, ref, backend):
     assert [r.output_token_ids for r in results] == expected
     assert all(r.finish_reason is FinishReason.LENGTH for r in results)
     assert engine.step_graphs.steps >= 6 and engine.decode_graphs.steps > 0
+    assert engine.step_graphs.misses == 0, "every step of these limits fits a bucket"
     assert_pool_free(engine)
 
 
@@ -149,7 +175,7 @@ def test_steps_scoring_prompt_logprobs_run_eagerly(model, ref, backend):
     result = engine.generate([prompt], max_new_tokens=4, prompt_logprobs=0)[0]
     assert result.output_token_ids == reference_greedy(ref, prompt, 4)
     assert len(result.prompt_logprobs) == len(prompt) - 1  # every token after the first
-    assert engine.step_graphs.steps == 0 and engine.decode_graphs.steps > 0
+    assert engine.step_graphs.steps == 0 and engine.step_graphs.misses > 0 and engine.decode_graphs.steps > 0
     assert_pool_free(engine)
 
 

@@ -1,7 +1,9 @@
 """Which attention backend an engine runs: the requested name, checked once at start-up.
 
-``auto`` takes the paged varlen kernel where it works, else gather + SDPA (the packed kernel is
-opt-in: it is not yet measured faster on a GPU); an explicit varlen choice that does not work
+``auto`` on a CUDA device times every backend that works here — the varlen kernels (paged,
+packed) and gather + SDPA — on one synthetic decode step and takes the fastest
+(``measure``); if the timing itself fails, the paged kernel where it works, else gather + SDPA.
+Off CUDA ``auto`` is the CPU's own SDPA paths. An explicit varlen choice that does not work
 here is an error. Whether a varlen kernel works is found by ``probe_varlen``: it runs the
 backend on small inputs and compares the result with plain SDPA, so a kernel that runs but
 aligns the causal mask differently is refused too.
@@ -9,14 +11,20 @@ aligns the causal mask differently is refused too.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from qil_worker.attention import measure
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.attention.cpu import CpuAttention
 from qil_worker.attention.names import ATTENTION_CHOICES, PACKED, PAGED, SDPA
 from qil_worker.attention.sdpa import GatherSdpa
 from qil_worker.attention.varlen import VarlenPacked, VarlenPaged, takes_block_table, torch_varlen_attn
+
+log = logging.getLogger(__name__)
 
 
 def cpu_kernels(device: torch.device) -> bool:
@@ -29,20 +37,63 @@ def cpu_kernels(device: torch.device) -> bool:
 def choose_backend(
     requested: str, device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int
 ) -> tuple[AttentionBackend, str | None]:
-    """(backend, why the requested varlen kernel is not used, or None) for ``requested`` in
+    """(backend, why the paged varlen kernel is not used, or None) for ``requested`` in
     ``ATTENTION_CHOICES``."""
     if requested not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {requested!r}")
-    if requested != SDPA:
+    portable = CpuAttention() if cpu_kernels(device) else GatherSdpa()
+    if requested == SDPA:
+        return portable, None
+    if requested != "auto":
         mode = PACKED if requested == PACKED else PAGED
         why_not = probe_varlen(device, dtype, page_size, heads, kv_heads, dim, mode)
-        if why_not is None:
-            return (VarlenPacked if mode == PACKED else VarlenPaged)(), None
-        if requested != "auto":
+        if why_not is not None:
             raise ValueError(f"attention {requested!r} is unavailable: {why_not}")
-    else:
-        why_not = None
-    return (CpuAttention() if cpu_kernels(device) else GatherSdpa()), why_not
+        return (VarlenPacked if mode == PACKED else VarlenPaged)(), None
+    name, why_not = auto_choice(device, dtype, page_size, heads, kv_heads, dim)
+    if name == SDPA:
+        return portable, why_not
+    return (VarlenPacked if name == PACKED else VarlenPaged)(), why_not
+
+
+def auto_choice(
+    device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int
+) -> tuple[str, str | None]:
+    """``auto``'s backend name, and why not the paged kernel (None if it is)."""
+    why_not = probe_varlen(device, dtype, page_size, heads, kv_heads, dim, PAGED)
+    working = [PAGED] if why_not is None else []
+    if device.type == "cuda" and probe_varlen(device, dtype, page_size, heads, kv_heads, dim, PACKED) is None:
+        working.append(PACKED)
+    if not working:
+        return SDPA, why_not
+    if device.type != "cuda":  # a test's stand-in kernel: nothing to time it against
+        return working[0], why_not
+    best, timings = fastest_on(device, dtype, page_size, heads, kv_heads, dim, tuple(working))
+    if best == PAGED:
+        return PAGED, None
+    return best, why_not or f"measured slower here ({timings})"
+
+
+@functools.lru_cache(maxsize=None)
+def fastest_on(
+    device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int,
+    working: tuple[str, ...],
+) -> tuple[str, str]:
+    """(the fastest of the ``working`` varlen backends and gather + SDPA on a CUDA device, the
+    timings as text), measured once per process and shape: every engine of the process then
+    runs the same backend. If the timing fails, the first of ``working``."""
+    backends = [VarlenPaged() if name == PAGED else VarlenPacked() for name in working] + [GatherSdpa()]
+    try:
+        work = measure.decode_workload(device, dtype, page_size, heads, kv_heads, dim)
+        best, seconds = measure.fastest_backend(backends, work, measure.device_timer(device))
+        del work
+    except Exception as exc:  # noqa: BLE001 - timing is an optimisation: keep the preference order
+        log.warning("attention: timing the backends failed (%s: %s); not measured", type(exc).__name__, exc)
+        return working[0], "not measured"
+    timings = ", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in seconds.items())
+    log.info("attention: %s, the fastest of a %d-row decode step's attention here (%s)",
+             best.name, measure.ROWS, timings)
+    return best.name, timings
 
 
 def probe_varlen(

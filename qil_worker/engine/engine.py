@@ -143,6 +143,17 @@ class Engine:
         self.page_size = page_size
         if cuda_graphs and debug and model.device.type == "cuda":
             raise ValueError("debug checks read the device inside the forward; they cannot be captured")
+        # chosen before the KV pool is allocated: ``auto`` times the backends on CUDA
+        if isinstance(attention, AttentionBackend):
+            self.attention, why_not = attention, None
+        else:
+            self.attention, why_not = choose_backend(
+                attention, model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads,
+                c.head_dim,
+            )
+        self.attention_backend = self.attention.name  # as GetInfo reports it
+        if why_not and model.device.type == "cuda":
+            log.info("attention: %s (not the paged varlen kernel: %s)", self.attention.name, why_not)
         scratch = self.scratch_pages(model, cuda_graphs, debug)
         cuda_graphs = scratch > 0
         self.kv = KVCache(
@@ -158,16 +169,6 @@ class Engine:
         self.sampler = Sampler()
         # grammar masks filled beside the forward where the host is idle meanwhile
         self.sampler.grammar_masks.overlap = model.device.type == "cuda"
-        if isinstance(attention, AttentionBackend):
-            self.attention, why_not = attention, None
-        else:
-            self.attention, why_not = choose_backend(
-                attention, model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads,
-                c.head_dim,
-            )
-        self.attention_backend = self.attention.name  # as GetInfo reports it
-        if why_not and model.device.type == "cuda":
-            log.info("attention: gather + SDPA (paged varlen flash attention unavailable: %s)", why_not)
         max_context = min(c.max_position_embeddings, num_pages * page_size)
         self.graph_capture = GraphCapture(model.device) if cuda_graphs else None
         self.decode_graphs = (

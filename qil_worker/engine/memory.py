@@ -57,6 +57,7 @@ def size_pool(
     memory_fraction: float | None = None,
     warmup_tokens: int = 512,
     reserved_pages: int = 0,
+    graphs: bool = False,
 ) -> PoolSize:
     """Choose the number of pages: explicit, a byte budget, or a fraction of free CUDA memory.
 
@@ -64,7 +65,8 @@ def size_pool(
     a budget covers them too. For a fraction, one forward of ``warmup_tokens`` tokens (the
     engine's token budget: its largest step) runs first on a throwaway pool; the fraction is
     then taken of the free memory less that step's activation peak, which later steps need
-    again.
+    again — twice with ``graphs`` (CUDA graphs on): a captured step of that size keeps its
+    activations in the graphs' own memory pool, beside what eager steps allocate.
     """
     page_bytes = bytes_per_page(model, page_size)
     if sum(x is not None for x in (num_pages, memory_bytes, memory_fraction)) != 1:
@@ -88,13 +90,15 @@ def size_pool(
         raise ValueError("a kv memory fraction needs a CUDA device; give a byte budget instead")
     warmup_tokens, peak = _warm_up(model, page_size, warmup_tokens)
     free, total = torch.cuda.mem_get_info(model.device)
-    budget = int(max(0, free - peak) * memory_fraction)
+    peaks = 2 if graphs else 1
+    budget = int(max(0, free - peaks * peak) * memory_fraction)
     if budget < (1 + reserved_pages) * page_bytes:
         raise ValueError(f"{memory_fraction:.0%} of free device memory is less than one KV page")
     return PoolSize(
         budget // page_bytes - reserved_pages, page_size, page_bytes,
         f"{memory_fraction:.0%} of {free / 2**30:.2f} GiB free after the weights, less the "
-        f"{format_bytes(peak)} activation peak of a {warmup_tokens}-token step "
+        f"{format_bytes(peak)} activation peak of a {warmup_tokens}-token step"
+        f"{' (twice: eager and in CUDA graphs)' if graphs else ''} "
         f"(device total {total / 2**30:.2f} GiB)",
         reserved_pages,
     )

@@ -15,7 +15,10 @@ SDPA pads per group of requests, a shape per step):
   read and write nothing any request owns — and no request has zero queries or keys, a case
   the kernels need not handle;
 - the kernels' ``max_q`` / ``max_k`` are fixed per bucket: the longest chunk the scheduler can
-  give (and a pad request's most tokens), and the longest context;
+  give or a pad request's most tokens (``bucket_max_q``), and the longest context;
+- token buckets are powers of two up to the budget, the budget, and the budget plus room for a
+  pad request per request; request buckets powers of two and one more than the most requests.
+  Every step the scheduler can make under those limits fits one (the tests check many limits);
 - the graph stops at the hidden states; the final norm and LM head run eagerly on the sampled
   rows only.
 
@@ -45,13 +48,15 @@ from qil_worker.model import Qwen3
 MIN_TOKEN_BUCKET = 16
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    """Powers of two from 16 below ``max_tokens`` (the token budget), then ``max_tokens``."""
+def token_buckets(max_tokens: int, room: int) -> list[int]:
+    """Powers of two from 16 below ``max_tokens`` (the token budget), ``max_tokens``, and
+    ``max_tokens + room``: ``room`` (one more than the most requests) lets a step that fills the
+    budget still take its pad requests."""
     sizes, n = [], MIN_TOKEN_BUCKET
     while n < max_tokens:
         sizes.append(n)
         n *= 2
-    return sizes + [max_tokens]
+    return sizes + [max_tokens, max_tokens + room]
 
 
 def request_buckets(max_requests: int) -> list[int]:
@@ -62,6 +67,13 @@ def request_buckets(max_requests: int) -> list[int]:
         sizes.append(n)
         n *= 2
     return sizes + [max_requests + 1]
+
+
+def bucket_max_q(token_bucket: int, max_chunk: int) -> int:
+    """The kernels' ``max_q`` in a bucket: the longest chunk the scheduler gives, and at least
+    half the bucket, so that one pad request can take the spare tokens of any step that did not
+    fit the bucket below."""
+    return min(token_bucket, max(max_chunk, token_bucket // 2))
 
 
 def pad_requests(tokens: int, requests: int, token_bucket: int, request_bucket: int, max_q: int) -> list[int] | None:
@@ -115,9 +127,10 @@ class StepGraphs:
         self.attention = attention
         self.capture = capture
         self.max_chunk = max_chunk
-        self.tokens = token_buckets(max_tokens)
         self.requests = request_buckets(max_requests)
-        self.max_k = max(max_context, max_chunk)  # a pad request's keys are its tokens
+        self.tokens = token_buckets(max_tokens, self.requests[-1])
+        # a pad request's keys are its tokens
+        self.max_k = max(max_context, max(bucket_max_q(t, max_chunk) for t in self.tokens))
         self.max_context = max_context
         self.pages = -(-self.max_k // page_size)  # the page tables' width
         bytes_per_key = kv.k.shape[2] * kv.k.shape[3] * kv.k.element_size()
@@ -134,14 +147,20 @@ class StepGraphs:
         self._used_k = torch.zeros(r, dtype=torch.int32, device=device)
         self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.steps = 0  # steps run through this path
+        self.misses = 0  # steps offered to ``bucket`` that run eagerly
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
     def bucket(self, chunks: list[ScheduledChunk]) -> Bucket | None:
-        """The bucket a step is padded to, or None if it runs eagerly: it scores prompt
-        log-probabilities, or fits no bucket (or, packed, the gather cap)."""
+        """The bucket a step is padded to, or None if it runs eagerly (counted in ``misses``):
+        it scores prompt log-probabilities, or fits no bucket (or, packed, the gather cap)."""
+        bucket = self._bucket(chunks)
+        self.misses += bucket is None
+        return bucket
+
+    def _bucket(self, chunks: list[ScheduledChunk]) -> Bucket | None:
         if any(c.request.prompt_logprobs is not None for c in chunks):
             return None
         if any(c.end > self.max_context or len(c.request.page_table.pages) > self.pages for c in chunks):
@@ -149,7 +168,7 @@ class StepGraphs:
         tokens = sum(c.num_tokens for c in chunks)
         start = bisect.bisect_left(self.tokens, tokens)
         for token_bucket in self.tokens[start:]:
-            max_q = min(token_bucket, self.max_chunk)
+            max_q = bucket_max_q(token_bucket, self.max_chunk)
             for request_bucket in self.requests[bisect.bisect_left(self.requests, len(chunks)):]:
                 pads = pad_requests(tokens, len(chunks), token_bucket, request_bucket, max_q)
                 if pads is None:
@@ -231,7 +250,7 @@ class StepGraphs:
             self._cu_q[: r + 1],
             self._used_k[:r],
             self.page_size,
-            max_q=min(t, self.max_chunk),
+            max_q=bucket_max_q(t, self.max_chunk),
             max_k=self.max_k,
             keys=shape.keys,
             scratch_slot=self.kv.scratch_page * self.page_size,

@@ -72,13 +72,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attention", choices=ATTENTION_CHOICES, default="auto",
-        help="attention backend: auto (CUDA: torch's paged varlen flash attention where the build "
-        "has it, else gather + SDPA), sdpa, varlen, or varlen-packed (CUDA: varlen flash attention "
-        "over keys gathered without padding; opt-in: not yet measured faster on a GPU)",
+        help="attention backend: auto (CUDA: the fastest at start-up of the varlen kernels this build "
+        "runs and gather + SDPA), sdpa, varlen (paged varlen flash attention), or varlen-packed "
+        "(varlen flash attention over keys gathered without padding)",
     )
     p.add_argument(
         "--no-cuda-graphs", action="store_true",
-        help="run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only)",
+        help="run every step eagerly instead of replaying captured CUDA graphs (CUDA only)",
+    )
+    p.add_argument(
+        "--no-step-graphs", action="store_true",
+        help="replay only decode-only steps from CUDA graphs; steps with prefill chunks run eagerly "
+        "(by default they replay graphs too where the attention backend is a varlen kernel)",
     )
     p.add_argument(
         "--no-overlap", action="store_true",
@@ -253,6 +258,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                 attention=args.attention,
                 **({"cuda_graphs": False} if args.no_cuda_graphs else {}),
                 **({"overlap": False} if args.no_overlap else {}),
+                **({"step_graphs": False} if args.no_step_graphs else {}),
             ),
             kv_memory_bytes=args.kv_memory_bytes,
             kv_memory_fraction=args.kv_memory_fraction,

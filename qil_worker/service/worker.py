@@ -122,11 +122,12 @@ def _load(config: dict[str, Any]):
     memory_fraction = config.get("kv_memory_fraction")
     if num_pages is None and memory_bytes is None and memory_fraction is None:
         num_pages = DEFAULT_NUM_PAGES
+    scratch_pages = Engine.scratch_pages(model, engine_kw.get("cuda_graphs"), engine_kw.get("debug", False))
     pool = size_pool(
         model, int(engine_kw.get("page_size", 16)), num_pages=num_pages,
         memory_bytes=memory_bytes, memory_fraction=memory_fraction,
         warmup_tokens=int(engine_kw.get("token_budget", 512)),
-        reserved_pages=Engine.scratch_pages(model, engine_kw.get("cuda_graphs"), engine_kw.get("debug", False)),
+        reserved_pages=scratch_pages, graphs=scratch_pages > 0,  # the scratch page means graphs
     )
     # retained_results=0: results reach the front in the final events, none is read back
     engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, retained_results=0, **engine_kw)
