@@ -151,6 +151,9 @@ else
         "$py" scripts/bench_throughput.py --quick --dtype float32 --prefix-heavy --systems qil
 fi
 echo
+echo "== throughput reports =="
+"$py" scripts/throughput_table.py "$out" || true
+echo
 echo "== summary (${SECONDS}s; logs in $out) =="
 printf '%s\n' "${summary[@]}"
 echo "status $status"

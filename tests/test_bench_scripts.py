@@ -34,6 +34,15 @@ def test_prefix_heavy_throughput_reports_cold_warm_and_uncached_runs(tmp_path):
     # warm: every measured request finds the prefix; cold: the first one computes it
     assert rows["qil-warm"]["prefix_hit_rate"] > rows["qil"]["prefix_hit_rate"] > 0
     assert "prefix cache: TTFT mean" in proc.stdout and "qil-warm" in proc.stdout
+    # the device check's one table of every report in its folder
+    (tmp_path / "not_a_report.json").write_text("[1, 2]")
+    table = run_script("throughput_table.py", str(tmp_path))
+    assert table.returncode == 0, table.stdout + table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:3] == ["run", "system", "out"] and len(lines) == 1 + 3
+    by_system = {line.split()[2]: line for line in lines[1:]}
+    assert set(by_system) == {"qil", "qil-no-cache", "qil-warm"}
+    assert f"{rows['qil']['output_tok_s']:.0f}" in by_system["qil"]
 
 
 def test_decode_step_compares_two_attention_backends(tmp_path):
