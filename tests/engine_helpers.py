@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
+
+from qil_worker import FinishReason
 
 
 def reference_greedy(ref, prompt: list[int], max_new_tokens: int, stop_ids=()) -> list[int]:
@@ -32,3 +36,30 @@ def assert_pool_free(engine) -> None:
     stats = engine.stats()
     assert stats.num_pages_used == 0 and stats.num_pages_free == stats.num_pages_total, stats
     assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def random_prompts(lengths, seed=3) -> list[list[int]]:
+    """Seeded token-id prompts of ``lengths`` for the tiny models (ids 1..96: 0 is the
+    reference's pad id)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 97) for _ in range(n)] for n in lengths]
+
+
+def check_preemption_and_cancel(engine, ref) -> list:
+    """Six requests on an engine whose pool is too small for them all (30 pages of 4), and a
+    seventh cancelled after 12 steps: the six give transformers' tokens after being preempted,
+    the seventh ends cancelled, every page is free. → the six results."""
+    prompts = random_prompts([3, 9, 17, 40, 70, 2], seed=11)
+    expected = [reference_greedy(ref, p, 10) for p in prompts]
+    ids = [engine.submit(p, max_new_tokens=10) for p in prompts]
+    victim = engine.submit(random_prompts([30], seed=5)[0], max_new_tokens=10)
+    for _ in range(12):
+        engine.step()
+    engine.cancel(victim)
+    run_to_completion(engine)
+    results = [engine.result(i) for i in ids]
+    assert [r.output_token_ids for r in results] == expected
+    assert sum(r.num_preemptions for r in results) > 0, "the pool was meant to force preemption"
+    assert engine.result(victim).finish_reason is FinishReason.CANCELLED
+    assert_pool_free(engine)
+    return results

@@ -5,18 +5,11 @@ bucket choice and table staging are checked against transformers here; on CUDA
 (``QIL_TEST_DEVICE=cuda``) the same tests replay real graphs.
 """
 
-import random
-
 import pytest
 
-from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
+from engine_helpers import assert_pool_free, check_preemption_and_cancel, random_prompts, reference_greedy, run_to_completion
 from qil_worker import Engine, FinishReason
 from qil_worker.engine.decode_graphs import batch_buckets, context_buckets
-
-
-def _prompts(lengths, seed=3):
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 97) for _ in range(n)] for n in lengths]  # 0 is the reference's pad id
 
 
 def test_buckets_cover_every_size():
@@ -31,7 +24,7 @@ def test_buckets_cover_every_size():
 
 def test_graph_decode_matches_reference_across_buckets(model, ref, device):
     """3, then fewer requests (padded rows), contexts crossing the 256-token bucket."""
-    prompts = _prompts([1, 5, 250])
+    prompts = random_prompts([1, 5, 250])
     expected = [reference_greedy(ref, p, 12) for p in prompts]
     engine = Engine(model, num_pages=128, page_size=4, cuda_graphs=True)
     results = [engine.result(i) for i in [engine.submit(p, max_new_tokens=n) for p, n in zip(prompts, (12, 5, 12))]]
@@ -48,21 +41,9 @@ def test_graph_decode_matches_reference_across_buckets(model, ref, device):
 
 
 def test_graph_decode_with_preemption_and_cancel_frees_every_page(model, ref):
-    prompts = _prompts([3, 9, 17, 40, 70, 2], seed=11)
-    expected = [reference_greedy(ref, p, 10) for p in prompts]
     engine = Engine(model, num_pages=30, page_size=4, token_budget=32, prefill_chunk=16, cuda_graphs=True)
-    ids = [engine.submit(p, max_new_tokens=10) for p in prompts]
-    victim = engine.submit(_prompts([30], seed=5)[0], max_new_tokens=10)
-    for _ in range(12):
-        engine.step()
-    engine.cancel(victim)
-    run_to_completion(engine)
-    results = [engine.result(i) for i in ids]
-    assert [r.output_token_ids for r in results] == expected
-    assert sum(r.num_preemptions for r in results) > 0, "the pool was meant to force preemption"
-    assert engine.result(victim).finish_reason is FinishReason.CANCELLED
+    check_preemption_and_cancel(engine, ref)
     assert engine.decode_graphs.steps > 0
-    assert_pool_free(engine)
 
 
 def test_graphs_default_off_on_cpu_and_with_debug(model, device):
@@ -79,7 +60,7 @@ def test_padded_rows_only_touch_the_scratch_page(model):
     marker = 7.0
     engine.kv.k.fill_(marker)
     engine.kv.v.fill_(marker)
-    engine.generate(_prompts([3, 6, 2]), max_new_tokens=4)  # 3 decodes → bucket 4, one padded row
+    engine.generate(random_prompts([3, 6, 2]), max_new_tokens=4)  # 3 decodes → bucket 4, one padded row
     scratch = engine.kv.scratch_page * engine.page_size
     used = set()
     for pages in range(engine.pool.total):
@@ -92,7 +73,7 @@ def test_padded_rows_only_touch_the_scratch_page(model):
 
 
 def test_a_failed_capture_falls_back_to_the_eager_padded_path(model, ref, monkeypatch):
-    prompts = _prompts([4, 9])
+    prompts = random_prompts([4, 9])
     expected = [reference_greedy(ref, p, 6) for p in prompts]
     engine = Engine(model, num_pages=32, page_size=4, cuda_graphs=True)
     graphs, capture = engine.decode_graphs, engine.graph_capture

@@ -9,16 +9,11 @@ import random
 
 import pytest
 
-from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
+from engine_helpers import assert_pool_free, check_preemption_and_cancel, random_prompts, reference_greedy, run_to_completion
 from qil_worker import Engine, FinishReason
 from qil_worker.attention import PACKED, PAGED
 from qil_worker.attention.reference import reference_backend
 from qil_worker.engine.step_graphs import bucket_max_q, pad_requests, request_buckets, token_buckets
-
-
-def _prompts(lengths, seed=3):
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 97) for _ in range(n)] for n in lengths]  # 0 is the reference's pad id
 
 
 @pytest.fixture(params=[PAGED, PACKED])
@@ -87,7 +82,7 @@ def test_the_engine_picks_the_smallest_bucket_that_holds_the_step(model, backend
     engine = _engine(model, backend, num_pages=64, page_size=4, token_budget=64, prefill_chunk=32)
     graphs = engine.step_graphs
     assert graphs is not None and graphs.tokens == [16, 32, 64, 129] and graphs.requests[-1] == 65
-    ids = [engine.submit(p, max_new_tokens=3) for p in _prompts([20, 5, 9])]
+    ids = [engine.submit(p, max_new_tokens=3) for p in random_prompts([20, 5, 9])]
     chunks = engine.scheduler.schedule()
     assert sum(c.num_tokens for c in chunks) == 34  # 20 + 5 + 9
     bucket = graphs.bucket(chunks)
@@ -104,7 +99,7 @@ def test_the_engine_picks_the_smallest_bucket_that_holds_the_step(model, backend
 
 def test_mixed_steps_match_transformers(model, ref, backend):
     """Prefill chunks beside decodes, arrivals while others decode, chunked prompts."""
-    prompts = _prompts([3, 30, 11, 45, 7, 19], seed=4)
+    prompts = random_prompts([3, 30, 11, 45, 7, 19], seed=4)
     expected = [reference_greedy(ref, p, 10) for p in prompts]
     engine = _engine(model, backend, num_pages=96, page_size=4, token_budget=24, prefill_chunk=12)
     ids = []
@@ -122,7 +117,7 @@ def test_mixed_steps_match_transformers(model, ref, backend):
 
 
 def test_overlapped_mixed_steps_take_in_flight_tokens_into_the_static_inputs(model, ref, backend):
-    prompts = _prompts([5, 26, 13, 40], seed=8)
+    prompts = random_prompts([5, 26, 13, 40], seed=8)
     expected = [reference_greedy(ref, p, 9) for p in prompts]
     engine = _engine(model, backend, num_pages=96, page_size=4, token_budget=16, prefill_chunk=8, overlap=True)
     ids = [engine.submit(prompts[0], max_new_tokens=9)]
@@ -137,21 +132,9 @@ def test_overlapped_mixed_steps_take_in_flight_tokens_into_the_static_inputs(mod
 
 
 def test_mixed_steps_with_preemption_and_cancel_free_every_page(model, ref, backend):
-    prompts = _prompts([3, 9, 17, 40, 70, 2], seed=11)
-    expected = [reference_greedy(ref, p, 10) for p in prompts]
     engine = _engine(model, backend, num_pages=30, page_size=4, token_budget=32, prefill_chunk=16)
-    ids = [engine.submit(p, max_new_tokens=10) for p in prompts]
-    victim = engine.submit(_prompts([30], seed=5)[0], max_new_tokens=10)
-    for _ in range(12):
-        engine.step()
-    engine.cancel(victim)
-    run_to_completion(engine)
-    results = [engine.result(i) for i in ids]
-    assert [r.output_token_ids for r in results] == expected
-    assert sum(r.num_preemptions for r in results) > 0, "the pool was meant to force preemption"
-    assert engine.result(victim).finish_reason is FinishReason.CANCELLED
+    check_preemption_and_cancel(engine, ref)
     assert engine.step_graphs.steps > 0
-    assert_pool_free(engine)
 
 
 def test_pad_tokens_only_touch_the_scratch_page(model, backend):
@@ -160,7 +143,7 @@ def test_pad_tokens_only_touch_the_scratch_page(model, backend):
     marker = 7.0
     engine.kv.k.fill_(marker)
     engine.kv.v.fill_(marker)
-    engine.generate(_prompts([10, 7]), max_new_tokens=1)  # one step of 17 tokens → bucket 32
+    engine.generate(random_prompts([10, 7]), max_new_tokens=1)  # one step of 17 tokens → bucket 32
     assert engine.step_graphs.steps == 1
     written = {
         page for page in range(engine.pool.total) if not bool((engine.kv.k[:, page * 4 : (page + 1) * 4] == marker).all())
@@ -171,7 +154,7 @@ def test_pad_tokens_only_touch_the_scratch_page(model, backend):
 
 
 def test_steps_scoring_prompt_logprobs_run_eagerly(model, ref, backend):
-    prompt = _prompts([12], seed=9)[0]
+    prompt = random_prompts([12], seed=9)[0]
     engine = _engine(model, backend, num_pages=32, page_size=4)
     result = engine.generate([prompt], max_new_tokens=4, prompt_logprobs=0)[0]
     assert result.output_token_ids == reference_greedy(ref, prompt, 4)
