@@ -9,7 +9,7 @@ import pytest
 
 from engine_helpers import assert_pool_free, check_preemption_and_cancel, random_prompts, reference_greedy, run_to_completion
 from qil_worker import Engine, FinishReason
-from qil_worker.engine.decode_graphs import batch_buckets, context_buckets
+from qil_worker.engine.graph_buckets import batch_buckets, context_buckets
 
 
 def test_buckets_cover_every_size():

@@ -13,7 +13,7 @@ from engine_helpers import assert_pool_free, check_preemption_and_cancel, random
 from qil_worker import Engine, FinishReason
 from qil_worker.attention import PACKED, PAGED
 from qil_worker.attention.reference import reference_backend
-from qil_worker.engine.step_graphs import bucket_max_q, pad_requests, request_buckets, token_buckets
+from qil_worker.engine.graph_buckets import bucket_max_q, pad_requests, request_buckets, token_buckets
 
 
 @pytest.fixture(params=[PAGED, PACKED])

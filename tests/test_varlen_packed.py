@@ -20,7 +20,7 @@ from qil_worker.attention import PACKED, PAGED, choice, varlen
 from qil_worker.attention.choice import choose_backend
 from qil_worker.attention.reference import reference_backend, reference_varlen_attn
 from qil_worker.attention.varlen import packed_key_slots
-from qil_worker.engine.decode_graphs import key_buckets
+from qil_worker.engine.graph_buckets import key_buckets
 from qil_worker.engine.probe import ForwardProbe
 
 

@@ -27,49 +27,13 @@ import torch
 
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.engine.batch import page_tables
+from qil_worker.engine.graph_buckets import MAX_GATHER_BYTES, batch_buckets, context_buckets, key_buckets
 from qil_worker.engine.graph_capture import GraphCapture
 from qil_worker.engine.in_flight import decode_inputs, fill_inputs
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import host_tensor
 from qil_worker.kv import KVCache
 from qil_worker.model import Qwen3
-
-SMALL_BATCHES = (1, 2, 4, 8)
-MIN_CONTEXT_BUCKET = 256
-MIN_KEY_BUCKET = 1024
-# A gathering backend materialises [batch, context] keys and values per layer (packed: the
-# bucket's keys); a graph keeps that workspace reserved, so shapes whose gather exceeds this run eagerly instead.
-MAX_GATHER_BYTES = 4 << 30
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 16 up to ``max_batch`` (always included)."""
-    sizes = [b for b in SMALL_BATCHES if b < max_batch] + list(range(16, max_batch, 16))
-    return sorted(set(sizes + [max_batch]))
-
-
-def context_buckets(max_context: int, page_size: int) -> list[int]:
-    """Powers of two from 256 tokens, page-aligned, the last covering ``max_context``."""
-    def align(n: int) -> int:
-        return -(-n // page_size) * page_size
-
-    sizes, n = [], MIN_CONTEXT_BUCKET
-    while n < max_context:
-        sizes.append(align(n))
-        n *= 2
-    sizes.append(align(max_context))
-    return sorted(set(sizes))
-
-
-def key_buckets(max_keys: int) -> list[int]:
-    """Powers of two from 1,024 keys, the last covering ``max_keys`` (graphs of backends that
-    pack keys)."""
-    sizes, n = [], MIN_KEY_BUCKET
-    while n < max_keys:
-        sizes.append(n)
-        n *= 2
-    return sizes + [max_keys]
-
 
 class DecodeGraphs:
     """Runs decode-only steps through padded static buffers, from CUDA graphs where possible."""

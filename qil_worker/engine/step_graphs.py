@@ -36,7 +36,9 @@ import torch
 
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.engine.batch import StepTokens, flat_tokens, page_tables
-from qil_worker.engine.decode_graphs import MAX_GATHER_BYTES, key_buckets
+from qil_worker.engine.graph_buckets import (
+    MAX_GATHER_BYTES, bucket_max_q, key_buckets, pad_requests, request_buckets, token_buckets,
+)
 from qil_worker.engine.graph_capture import GraphCapture
 from qil_worker.engine.in_flight import fill_inputs
 from qil_worker.engine.scheduler import ScheduledChunk
@@ -44,52 +46,6 @@ from qil_worker.engine.transfer import host_tensor
 from qil_worker.kv import KVCache
 from qil_worker.kv.slots import kv_slots
 from qil_worker.model import Qwen3
-
-MIN_TOKEN_BUCKET = 16
-
-
-def token_buckets(max_tokens: int, room: int) -> list[int]:
-    """Powers of two from 16 below ``max_tokens`` (the token budget), ``max_tokens``, and
-    ``max_tokens + room``: ``room`` (one more than the most requests) lets a step that fills the
-    budget still take its pad requests."""
-    sizes, n = [], MIN_TOKEN_BUCKET
-    while n < max_tokens:
-        sizes.append(n)
-        n *= 2
-    return sizes + [max_tokens, max_tokens + room]
-
-
-def request_buckets(max_requests: int) -> list[int]:
-    """Powers of two up to ``max_requests``, then ``max_requests + 1``: a step of every request
-    still has room for a pad request."""
-    sizes, n = [], 1
-    while n <= max_requests:
-        sizes.append(n)
-        n *= 2
-    return sizes + [max_requests + 1]
-
-
-def bucket_max_q(token_bucket: int, max_chunk: int) -> int:
-    """The kernels' ``max_q`` in a bucket: the longest chunk the scheduler gives, and at least
-    half the bucket, so that one pad request can take the spare tokens of any step that did not
-    fit the bucket below."""
-    return min(token_bucket, max(max_chunk, token_bucket // 2))
-
-
-def pad_requests(tokens: int, requests: int, token_bucket: int, request_bucket: int, max_q: int) -> list[int] | None:
-    """How many tokens each pad request gets so that a step of ``tokens`` and ``requests`` fills
-    (``token_bucket``, ``request_bucket``) — every pad request at least one and at most
-    ``max_q`` — or None if the bucket cannot be filled so."""
-    pads, spare = request_bucket - requests, token_bucket - tokens
-    if pads < 0 or spare < 0:
-        return None
-    if pads == 0:
-        return [] if spare == 0 else None
-    if not pads <= spare <= pads * max_q:
-        return None
-    base, extra = divmod(spare, pads)
-    return [base + 1] * extra + [base] * (pads - extra)
-
 
 @dataclass(frozen=True)
 class Bucket:
