@@ -169,3 +169,44 @@ def test_step_graphs_need_a_backend_that_builds_metadata_in_a_graph(model):
         Engine(model, num_pages=8, cuda_graphs=True, step_graphs=True)
     engine = Engine(model, num_pages=8, cuda_graphs=True, attention=reference_backend(PAGED), step_graphs=False)
     assert engine.step_graphs is None and engine.decode_graphs is not None
+
+
+def test_sampling_options_through_step_graphs_match_eager_steps(model, backend):
+    """Seeded draws, n > 1 forks, penalties, min_new_tokens, stop ids and logprobs arriving while
+    others decode: with step graphs (and overlap) the same tokens as eager synchronous steps of the
+    same backend, the log-probabilities within float rounding."""
+    requests = [
+        dict(temperature=0.9, seed=1, logprobs=True, top_logprobs=2),
+        dict(temperature=1.1, seed=2, n=2),
+        dict(temperature=0.8, top_k=5, seed=3, repetition_penalty=1.3, presence_penalty=0.4),
+        dict(min_new_tokens=6, stop_token_ids=[5, 9, 11]),
+        dict(logprobs=True),
+    ]
+    prompts = random_prompts([14, 30, 9, 21, 40], seed=12)
+    outputs = {}
+    for graphs in (True, False):
+        engine = Engine(model, num_pages=96, page_size=4, token_budget=24, prefill_chunk=12, attention=backend,
+                        cuda_graphs=graphs, overlap=graphs)
+        ids, events = [], []
+        for prompt, options in zip(prompts, requests):
+            ids.append(engine.submit(prompt, max_new_tokens=10, **options))
+            events += engine.step()
+        events += run_to_completion(engine)
+        logprobs: dict[tuple, list] = {}
+        for e in events:
+            if e.logprob is not None:
+                logprobs.setdefault((e.request_id, e.sample_index), []).append(e.logprob)
+        outputs[graphs] = [
+            [(r.output_token_ids, r.finish_reason, logprobs.get((i, r.sample_index))) for r in engine.results(i)]
+            for i in ids
+        ]
+        if graphs:
+            assert engine.step_graphs.steps >= 4 and engine.step_graphs.misses == 0
+        assert_pool_free(engine)
+    assert len(outputs[True][1]) == 2 and len(outputs[True][0][0][2]) == 10  # two samples; logprobs came
+    for with_graphs, eager in zip(outputs[True], outputs[False]):
+        assert len(with_graphs) == len(eager)
+        for (tokens, reason, logprobs), (eager_tokens, eager_reason, eager_logprobs) in zip(with_graphs, eager):
+            assert (tokens, reason) == (eager_tokens, eager_reason)
+            if logprobs is not None:
+                assert logprobs == pytest.approx(eager_logprobs, rel=1e-5, abs=1e-6)
