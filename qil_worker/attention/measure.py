@@ -5,7 +5,8 @@ attention; which is fastest depends on the device, the torch build's kernels and
 So ``auto`` times each on one synthetic decode step — rows whose contexts spread from short to
 long, as a serving batch has them, because that spread is what padding to the longest costs —
 and takes the fastest. Each timing covers the step's metadata and several layers' ``attend``,
-the share a decode step spends per backend.
+replayed from a CUDA graph as decode steps are, so that the device's work decides, not the
+host's launches.
 """
 
 from __future__ import annotations
@@ -97,24 +98,44 @@ def fastest_backend(
 
 
 def device_timer(device: torch.device, repeats: int = 5) -> Timer:
-    """Median seconds of ``repeats`` timed calls after a warm-up call: CUDA events on a GPU (the
-    device's time, without waiting on the host in between), the host clock elsewhere."""
+    """Median seconds of ``repeats`` timed calls after a warm-up call. On CUDA the call is
+    captured into a graph first (``decode_metadata`` is graph-safe: decode graphs capture it)
+    and its replays are timed with events — the device's time, as a decode graph runs it,
+    without the host's launches, which would otherwise decide the timing at these sizes; if
+    capture fails, the eager calls are timed with events. Elsewhere the host clock."""
 
     def timer(fn: Callable[[], None]) -> float:
         fn()
+        run = _captured(fn, device) if device.type == "cuda" else None
+        run = run or fn
         times = []
         for _ in range(repeats):
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                fn()
+                run()
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 1000)
             else:
                 t0 = time.perf_counter()
-                fn()
+                run()
                 times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 
     return timer
+
+
+def _captured(fn: Callable[[], None], device: torch.device) -> Callable[[], None] | None:
+    """``fn`` as the replay of a CUDA graph it was captured into, or None if it cannot be."""
+    try:
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+    except Exception:  # noqa: BLE001 - time the eager calls instead
+        return None
+    return graph.replay
