@@ -55,7 +55,7 @@ def test_the_device_timer_takes_the_median_after_a_warm_up():
     calls = []
     seconds = measure.device_timer(CPU, repeats=3)(lambda: calls.append(1))
     assert len(calls) == 4 and 0 <= seconds < 1
-    assert measure._captured(lambda: None, CPU) is None  # no graph here: the calls themselves are timed
+    assert measure.graph_replay(lambda: None, CPU) is None  # no graph here: the calls themselves are timed
 
 
 def test_fastest_on_times_every_working_backend_once_per_shape(monkeypatch):

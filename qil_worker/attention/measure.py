@@ -106,7 +106,7 @@ def device_timer(device: torch.device, repeats: int = 5) -> Timer:
 
     def timer(fn: Callable[[], None]) -> float:
         fn()
-        run = _captured(fn, device) if device.type == "cuda" else None
+        run = graph_replay(fn, device) if device.type == "cuda" else None
         run = run or fn
         times = []
         for _ in range(repeats):
@@ -126,7 +126,7 @@ def device_timer(device: torch.device, repeats: int = 5) -> Timer:
     return timer
 
 
-def _captured(fn: Callable[[], None], device: torch.device) -> Callable[[], None] | None:
+def graph_replay(fn: Callable[[], None], device: torch.device) -> Callable[[], None] | None:
     """``fn`` as the replay of a CUDA graph it was captured into, or None if it cannot be."""
     try:
         with torch.cuda.device(device):
