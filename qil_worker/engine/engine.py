@@ -120,8 +120,9 @@ class Engine:
         off with ``debug``). Given ``True`` on another device, the same padded decode path runs
         without capture (for tests). ``step_graphs``: with ``cuda_graphs``, replay the other
         steps (prefill chunks beside decodes) from graphs too, where the attention backend
-        builds their metadata in a graph (``engine.step_graphs``; default: then on). ``schedule_policy``: the order waiting requests are admitted
-        in, ``"fcfs"`` or ``"shortest-first"`` (see ``qil_worker.engine.schedule_policy``).
+        builds their metadata in a graph (``engine.step_graphs``; default: then on).
+        ``schedule_policy``: the order waiting requests are admitted in, ``"fcfs"`` or
+        ``"shortest-first"`` (see ``qil_worker.engine.schedule_policy``).
         ``attention``: ``"auto"``, ``"sdpa"``, ``"varlen"`` (paged) or ``"varlen-packed"`` (CUDA;
         see ``qil_worker.attention.choice``), or a backend object (``attention.backend``).
         ``overlap``: schedule and stage each step while the previous one runs on the device,
@@ -169,33 +170,10 @@ class Engine:
         self.sampler = Sampler()
         # grammar masks filled beside the forward where the host is idle meanwhile
         self.sampler.grammar_masks.overlap = model.device.type == "cuda"
-        max_context = min(c.max_position_embeddings, num_pages * page_size)
         self.graph_capture = GraphCapture(model.device) if cuda_graphs else None
-        self.decode_graphs = (
-            DecodeGraphs(
-                model, self.kv, page_size, max_batch=min(max_active, MAX_GRAPH_BATCH),
-                max_context=max_context, attention=self.attention, capture=self.graph_capture,
-            )
-            if cuda_graphs
-            else None
+        self.decode_graphs, self.step_graphs = self._graph_runners(
+            token_budget, prefill_chunk, max_active, num_pages, step_graphs
         )
-        if step_graphs and not (cuda_graphs and self.attention.static_steps):
-            raise ValueError(
-                f"step_graphs needs cuda_graphs and an attention backend that builds a step's metadata "
-                f"in a graph (varlen), not {self.attention.name!r}"
-            )
-        self.step_graphs = (
-            StepGraphs(
-                model, self.kv, page_size, max_tokens=token_budget, max_chunk=min(prefill_chunk, token_budget),
-                max_requests=min(max_active, MAX_GRAPH_BATCH), max_context=max_context,
-                attention=self.attention, capture=self.graph_capture,
-            )
-            if cuda_graphs and self.attention.static_steps and step_graphs is not False
-            else None
-        )
-        if cuda_graphs and model.device.type == "cuda":
-            log.info("CUDA graphs: decode steps%s", " and mixed steps" if self.step_graphs else
-                     f" (mixed steps run eagerly: attention {self.attention.name!r} builds no metadata in a graph)")
         self._eos_ids = frozenset(c.eos_token_ids)
         # requests whose final event is not handed out yet (active ones, cancels in ``_pending``)
         self._requests: dict[str, Request] = {}
@@ -214,6 +192,37 @@ class Engine:
         self.overlapped_steps = 0  # steps launched before the previous step was read
         self._grammars: GrammarCompiler | None = None  # built on first use (structured output)
         self._grammars_lock = threading.Lock()
+
+    def _graph_runners(
+        self, token_budget: int, prefill_chunk: int, max_active: int, num_pages: int, step_graphs: bool | None
+    ) -> tuple[DecodeGraphs | None, StepGraphs | None]:
+        """The decode graphs and the mixed-step graphs, where ``graph_capture`` exists (CUDA
+        graphs on); mixed steps need a backend that builds their metadata in a graph."""
+        capture, model = self.graph_capture, self.model
+        static = capture is not None and self.attention.static_steps
+        if step_graphs and not static:
+            raise ValueError(
+                f"step_graphs needs cuda_graphs and an attention backend that builds a step's metadata "
+                f"in a graph (varlen), not {self.attention.name!r}"
+            )
+        if capture is None:
+            return None, None
+        max_context = min(model.config.max_position_embeddings, num_pages * self.page_size)
+        max_requests = min(max_active, MAX_GRAPH_BATCH)
+        decode = DecodeGraphs(
+            model, self.kv, self.page_size, max_batch=max_requests, max_context=max_context,
+            attention=self.attention, capture=capture,
+        )
+        mixed = None
+        if static and step_graphs is not False:
+            mixed = StepGraphs(
+                model, self.kv, self.page_size, max_tokens=token_budget, max_chunk=min(prefill_chunk, token_budget),
+                max_requests=max_requests, max_context=max_context, attention=self.attention, capture=capture,
+            )
+        if model.device.type == "cuda":
+            log.info("CUDA graphs: decode steps%s", " and mixed steps" if mixed else
+                     f" (mixed steps run eagerly: attention {self.attention.name!r} builds no metadata in a graph)")
+        return decode, mixed
 
     @staticmethod
     def scratch_pages(model: Qwen3, cuda_graphs: bool | None = None, debug: bool = False) -> int:
