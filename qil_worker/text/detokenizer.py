@@ -6,11 +6,17 @@ boundary) and releases only the text past what that window produced before; whil
 ends in an incomplete character, only the whole characters before it are released (a token
 such as b" \xc3" completes a space, and a stop string ending in it, at once). ``finish``
 releases whatever is left, so the deltas concatenate to ``tokenizer.decode(all ids)``.
+
+With a tokenizer that decodes by joining per-id bytes (``token_bytes``) the same windows are
+decoded from bytes kept as they grow, the prefix's text length only when the prefix moves, and
+a token that is whole characters on a window that ends one is its own delta at once.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from qil_worker.text.token_bytes import token_bytes
 
 REPLACEMENT = "\ufffd"
 
@@ -24,8 +30,21 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens up to here have been released as text
         self._early = 0  # characters of the window past its prefix, released before its end was whole
         self.text = ""  # everything released so far
+        # With a byte table: the window's bytes (ids from the prefix offset on), the length of
+        # its prefix's bytes and text (ids up to the read offset), and whether every id is
+        # released with the window valid UTF-8 (``push``'s shortcut).
+        self._bytes = token_bytes(tokenizer, skip_special_tokens)
+        self._window = b""
+        self._prefix_bytes = 0
+        self._prefix_chars = 0
+        self._settled = True
 
     def _decode(self, ids: list[int]) -> str:
+        if self._bytes is not None:
+            text = self._bytes.decode(ids)
+            if text is not None:
+                return text
+            self._bytes = None
         return self._tokenizer.decode(
             ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False
         )
@@ -33,6 +52,51 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the new complete text (possibly empty)."""
         self._ids.append(token_id)
+        table = self._bytes
+        if table is not None:
+            if self._settled:
+                whole = table.whole_text(token_id)
+                if whole:  # the window ends a character: its text is the prefix's, then this
+                    self._advance(self._window[self._prefix_bytes :] + table.bytes_of(token_id), len(whole))
+                    self.text += whole
+                    return whole
+            added = table.bytes_of(token_id)
+            if added is not None:
+                if not added and self._settled:  # nothing to show, and the window is as it was
+                    return ""
+                return self._push_bytes(self._window + added)
+            self._bytes = None  # the tokenizer decodes otherwise: ask it from now on
+        return self._push_ids()
+
+    def _push_bytes(self, window_bytes: bytes) -> str:
+        """``_push_ids`` over the window's bytes."""
+        self._settled = False
+        self._window = window_bytes
+        window = window_bytes.decode("utf-8", "replace")
+        start = self._prefix_chars + self._early
+        if window.endswith(REPLACEMENT):
+            whole = window.rstrip(REPLACEMENT)
+            delta = whole[start:] if len(whole) > start else ""
+            self._early += len(delta)
+        elif len(window) <= start:
+            return ""
+        else:
+            delta = window[start:]
+            prefix = window_bytes[self._prefix_bytes :]
+            try:
+                chars, self._settled = len(prefix.decode("utf-8")), True
+            except UnicodeDecodeError:
+                chars = len(prefix.decode("utf-8", "replace"))
+            self._advance(prefix, chars)
+        self.text += delta
+        return delta
+
+    def _advance(self, prefix: bytes, chars: int) -> None:
+        """Every id is released: the window starts at the read offset, the prefix is the rest."""
+        self._prefix_offset, self._read_offset, self._early = self._read_offset, len(self._ids), 0
+        self._window, self._prefix_bytes, self._prefix_chars = prefix, len(prefix), chars
+
+    def _push_ids(self) -> str:
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
         start = len(prefix) + self._early

@@ -26,7 +26,9 @@ class TextOutput:
         return self._matcher.matched
 
     def push(self, token_id: int) -> str:
-        return self._keep(self._matcher.feed(self._detokenizer.push(token_id)))
+        delta = self._matcher.feed(self._detokenizer.push(token_id))
+        self.text += delta
+        return delta
 
     def finish(self) -> str:
         return self._keep(self._matcher.feed(self._detokenizer.finish()) + self._matcher.flush())

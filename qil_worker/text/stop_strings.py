@@ -14,6 +14,10 @@ class StopStringMatcher:
         self.stops = tuple(s for s in stops if s)
         self.include = include_stop_string
         self._longest = max((len(s) for s in self.stops), default=0)
+        # what ``_held_suffix`` looks for: every start of a stop string that a suffix of up to
+        # ``longest - 1`` characters can be, and the last characters of those
+        self._starts = frozenset(s[:k] for s in self.stops for k in range(1, min(len(s), self._longest - 1) + 1))
+        self._start_ends = frozenset(start[-1] for start in self._starts)
         self._text = ""
         self._released = 0
         self.matched: str | None = None
@@ -22,6 +26,10 @@ class StopStringMatcher:
         """Add text; return what may be shown now. After a match, ``matched`` is set."""
         if self.matched is not None:
             return ""
+        if not self.stops:  # nothing to match or hold back
+            self._text += delta
+            self._released = len(self._text)
+            return delta
         search_from = max(0, len(self._text) - self._longest + 1)
         self._text += delta
         hit_at, hit = len(self._text) + 1, None
@@ -40,9 +48,15 @@ class StopStringMatcher:
         return "" if self.matched is not None else self._release(len(self._text))
 
     def _held_suffix(self) -> int:
-        for k in range(min(self._longest - 1, len(self._text)), 0, -1):
-            tail = self._text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
+        """The length of the longest suffix (under the longest stop string's) that starts a
+        stop string. It lies in the text not released yet: a longer one would have started with
+        a longer such suffix of the text before the last delta, which was held back instead."""
+        text = self._text
+        if len(text) == self._released or text[-1] not in self._start_ends:
+            return 0
+        starts = self._starts
+        for k in range(min(self._longest - 1, len(text) - self._released), 0, -1):
+            if text[-k:] in starts:
                 return k
         return 0
 
