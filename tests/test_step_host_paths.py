@@ -3,7 +3,8 @@
 Fast paths: one-token chunks in ``build_step_batch`` (``_one_token_each`` beside
 ``_flat_tokens``), the sampler's ``plain`` rows (``SamplingRow``), page tables kept as arrays
 (``Request.page_ids``), token events made without the frozen ``__init__``
-(``Event.of_token``), typed arrays into tensors (``transfer.host_tensor``). Each is checked on
+(``Event.of_token``), typed arrays into tensors (``transfer.host_tensor``), draws hashed from
+each request's kept seed state (``sampler.draws_for``). Each is checked on
 its own, and an engine with all of them is checked against one with each replaced by its
 general path, event by event, over a mixed batch with greedy and seeded sampling, stop ids,
 ``max_new_tokens``, a cancel, preemptions, ``n`` samples and logprobs — and every KV page is
@@ -27,6 +28,7 @@ import torch
 from engine_helpers import assert_pool_free
 from qil_worker import Engine
 from qil_worker.engine import batch as batch_module
+from qil_worker.engine import sampler as sampler_module
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics
 from qil_worker.engine.request import Request, SamplingRow
 from qil_worker.engine.sampling_params import SamplingParams
@@ -68,6 +70,7 @@ def test_host_tensor_is_torch_tensor(values, dtype):
         (None, None, None, None, None, None),
         (FinishReason.STOP, -0.25, [(3, -0.25), (1, -2.0)], "ab", 7, "r"),
         (FinishReason.LENGTH, None, None, "", None, None),
+        (FinishReason.STOP, 0.0, [], "", 0, None),  # falsy values are values
     ],
 )
 def test_token_events_equal_the_dataclass_init(reason, logprob, top, text, stop, result):
@@ -148,6 +151,35 @@ def test_sampling_rows_read_as_the_params(params):
         assert not SamplingRow.of(SamplingParams(**{**params, **extra})).plain
 
 
+def _per_row_draws(requests, greedy_rows):
+    """The draws as ``uniform_for`` gives them, one request at a time."""
+    return [
+        0.5 if greedy else sampler_module.uniform_for(r.seed, r.num_output_tokens)
+        for r, greedy in zip(requests, greedy_rows)
+    ]
+
+
+def test_draws_from_kept_seed_states_are_uniform_for_of_each_row():
+    requests = [_request(3, output=i % 5, temperature=0.5) for i in range(12)]
+    for r, seed in zip(requests, [0, 1, 2**64 - 1, 2**63, 12345, 7, 7, 99, 2**40, 3, 4, 5]):
+        r.seed = seed
+    requests[4].in_flight_row = 0  # a token in flight counts in the draw's index
+    greedy = [i % 3 == 0 for i in range(len(requests))]
+    for _ in range(3):  # the kept states serve the next draws too
+        got = sampler_module.draws_for(requests, greedy)
+        assert got == _per_row_draws(requests, greedy)
+        assert all(g == 0.5 for g, is_greedy in zip(got, greedy) if is_greedy)
+        for r in requests:
+            r.output_token_ids.append(1)
+    twin = copy.copy(requests[1])  # a forked sample: the kept state came along, the seed is its own
+    twin.seed = 424242
+    assert sampler_module.draws_for([twin, requests[1]], [False, False]) == _per_row_draws([twin, requests[1]], [False, False])
+    assert sampler_module.draws_for([], []) == []
+    big = _request(2, temperature=1.0)
+    big.output_token_ids.extend([0] * 5000)
+    assert sampler_module.draws_for([big], [False]) == [sampler_module.uniform_for(big.seed, 5000)]
+
+
 # -- the engine with its fast paths against the engine with the general ones ------------------
 
 
@@ -162,6 +194,7 @@ def _general_paths(monkeypatch) -> None:
         return Event(request_id, token, index, reason is not None, reason, None, logprob, top, text, stop_reason, result)
 
     monkeypatch.setattr(Event, "of_token", classmethod(event_init))
+    monkeypatch.setattr(sampler_module, "draws_for", _per_row_draws)
 
 
 def _workload(vocab: int) -> list[dict]:

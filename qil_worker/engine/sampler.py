@@ -18,6 +18,8 @@ for the same index), and costs no per-request generator on the device.
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,34 @@ def uniform_for(seed: int, index: int) -> float:
     """A number in (0, 1) fixed by (seed, index): the request's draw for output token ``index``."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") + 0.5) / 2.0**64
+
+
+def draws_for(requests: list[Request], greedy_rows: list[bool]) -> list[float]:
+    """Each row's ``uniform_for(seed, num_output_tokens)`` (a row's draw index counts a token
+    still in flight), 0.5 for a greedy row, whose draw is never read. Each request keeps the
+    hash state of its seed's part of the hashed text (``Request.draw_hash``): copying it costs
+    less than a new hash, and the digests convert to numbers in one ``array``."""
+    blake2b = hashlib.blake2b
+    digests = []
+    drawn = []
+    for row, (r, greedy) in enumerate(zip(requests, greedy_rows)):
+        if greedy:
+            continue
+        kept = r.draw_hash
+        if kept is None or kept[0] != r.seed:  # first draw, or a sample given its own seed since
+            kept = r.draw_hash = (r.seed, blake2b(b"%d:" % r.seed, digest_size=8))
+        h = kept[1].copy()
+        h.update(b"%d" % r.num_output_tokens)
+        digests.append(h.digest())
+        drawn.append(row)
+    values = array("Q")
+    values.frombytes(b"".join(digests))
+    if sys.byteorder != "little":
+        values.byteswap()
+    out = [0.5] * len(requests)
+    for row, value in zip(drawn, values):
+        out[row] = (value + 0.5) / 2.0**64
+    return out
 
 
 class Sampler:
@@ -93,10 +123,7 @@ class Sampler:
             cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
             # greedy rows take the argmax below: their draw is never read, so none is derived;
             # a row's draw index counts a token still in flight (overlapped steps)
-            u = to_device(
-                [0.5 if row.greedy else uniform_for(r.seed, r.num_output_tokens) for r, row in zip(requests, rows)],
-                device, torch.float32,
-            )
+            u = to_device(draws_for(requests, greedy_rows), device, torch.float32)
             drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
             drawn = drawn.clamp_max(logits.shape[1] - 1)
             if some_greedy:
