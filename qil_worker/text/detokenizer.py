@@ -55,9 +55,15 @@ class IncrementalDetokenizer:
         table = self._bytes
         if table is not None:
             if self._settled:
-                whole = table.whole_text(token_id)
-                if whole:  # the window ends a character: its text is the prefix's, then this
-                    self._advance(self._window[self._prefix_bytes :] + table.bytes_of(token_id), len(whole))
+                whole = table.whole.get(token_id)
+                if whole is None:
+                    whole = table.whole_text(token_id)
+                if whole:
+                    # every id is released and the window (its prefix) ends a character: the
+                    # window's text is the prefix's, then this token's, all of it released
+                    added = table.bytes_of(token_id)
+                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                    self._window, self._prefix_bytes, self._prefix_chars = added, len(added), len(whole)
                     self.text += whole
                     return whole
             added = table.bytes_of(token_id)

@@ -24,38 +24,46 @@ class StopStringMatcher:
 
     def feed(self, delta: str) -> str:
         """Add text; return what may be shown now. After a match, ``matched`` is set."""
-        if self.matched is not None:
+        if self.matched is not None or not delta:
+            # no new text: a match in it would have been found before, and the same suffix
+            # is held back
             return ""
         if not self.stops:  # nothing to match or hold back
-            self._text += delta
-            self._released = len(self._text)
             return delta
-        search_from = max(0, len(self._text) - self._longest + 1)
-        self._text += delta
-        hit_at, hit = len(self._text) + 1, None
+        text = self._text
+        search_from = len(text) - self._longest + 1
+        if search_from < 0:
+            search_from = 0
+        text += delta
+        self._text = text
+        hit_at, hit = len(text) + 1, None
         for stop in self.stops:
-            at = self._text.find(stop, search_from)
+            at = text.find(stop, search_from)
             if at != -1 and at < hit_at:
                 hit_at, hit = at, stop
+        released = self._released
         if hit is not None:
             self.matched = hit
             end = hit_at + len(hit) if self.include else hit_at
-            return self._release(end)
-        return self._release(len(self._text) - self._held_suffix())
+        else:
+            end = len(text) - self._held_suffix(text, released)
+        if end <= released:
+            return ""
+        self._released = end
+        return text[released:end]
 
     def flush(self) -> str:
         """At the end: release what was held back (unless a stop string ended the text)."""
         return "" if self.matched is not None else self._release(len(self._text))
 
-    def _held_suffix(self) -> int:
+    def _held_suffix(self, text: str, released: int) -> int:
         """The length of the longest suffix (under the longest stop string's) that starts a
         stop string. It lies in the text not released yet: a longer one would have started with
         a longer such suffix of the text before the last delta, which was held back instead."""
-        text = self._text
-        if len(text) == self._released or text[-1] not in self._start_ends:
+        if len(text) == released or text[-1] not in self._start_ends:
             return 0
         starts = self._starts
-        for k in range(min(self._longest - 1, len(text) - self._released), 0, -1):
+        for k in range(min(self._longest - 1, len(text) - released), 0, -1):
             if text[-k:] in starts:
                 return k
         return 0

@@ -47,7 +47,7 @@ class TokenBytes:
         self._skip = skip_special_tokens
         self._backend = tokenizer.backend_tokenizer
         self._bytes: dict[int, bytes] = {}
-        self._whole: dict[int, str] = {}  # ``whole_text`` of the ids seen
+        self.whole: dict[int, str] = {}  # ``whole_text`` of the ids seen (read directly on hot paths)
         self._vocab_size = -1  # the vocabulary the tables were made for (``_check_vocabulary``)
         self._special: frozenset[str] = frozenset()
         self.usable = True  # False once an id decoded otherwise than its bytes say
@@ -74,7 +74,7 @@ class TokenBytes:
             # this tokenizer does not decode as modelled: trust none of the table
             self.usable = False
             self._bytes.clear()
-            self._whole.clear()
+            self.whole.clear()
             return None
         self._bytes[token_id] = found
         return found
@@ -86,7 +86,7 @@ class TokenBytes:
         if size != self._vocab_size:
             self._vocab_size = size
             self._bytes.clear()
-            self._whole.clear()
+            self.whole.clear()
             self._special = frozenset(
                 t.content for t in self._backend.get_added_tokens_decoder().values() if t.special
             )
@@ -94,7 +94,7 @@ class TokenBytes:
     def whole_text(self, token_id: int) -> str:
         """The id's text when its bytes are whole characters by themselves, not ending in
         U+FFFD; else "" (also when this tokenizer cannot be trusted)."""
-        text = self._whole.get(token_id)
+        text = self.whole.get(token_id)
         if text is None:
             found = self.bytes_of(token_id)
             if found is None:
@@ -105,7 +105,7 @@ class TokenBytes:
                 text = ""
             if text.endswith("\ufffd"):
                 text = ""
-            self._whole[token_id] = text
+            self.whole[token_id] = text
         return text
 
     def valid(self, ids: Sequence[int]) -> bool:
