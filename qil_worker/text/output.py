@@ -20,19 +20,18 @@ class TextOutput:
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._matcher = StopStringMatcher(stop_strings, include_stop_string)
         self.text = ""  # all text released so far
-
-    @property
-    def matched_stop(self) -> str | None:
-        return self._matcher.matched
+        self.matched_stop: str | None = None  # the stop string the text ended at, once it did
 
     def push(self, token_id: int) -> str:
-        delta = self._matcher.feed(self._detokenizer.push(token_id))
+        matcher = self._matcher
+        delta = matcher.feed(self._detokenizer.push(token_id))
+        self.matched_stop = matcher.matched
         self.text += delta
         return delta
 
     def finish(self) -> str:
-        return self._keep(self._matcher.feed(self._detokenizer.finish()) + self._matcher.flush())
-
-    def _keep(self, delta: str) -> str:
+        matcher = self._matcher
+        delta = matcher.feed(self._detokenizer.finish()) + matcher.flush()
+        self.matched_stop = matcher.matched
         self.text += delta
         return delta
