@@ -95,6 +95,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self.sampling_row = SamplingRow.of(self.sampling)
+        # set here, not left to the class default: an attribute that only some instances carry
+        # slows every attribute read of every request (CPython's shared instance layout)
+        self.draw_hash = None
 
     def page_ids(self) -> array:
         """The page table's pages as an int64 ``array`` (for a step's tensors), kept from step to
