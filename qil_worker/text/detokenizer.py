@@ -21,6 +21,25 @@ from qil_worker.text.token_bytes import token_bytes
 REPLACEMENT = "\ufffd"
 
 
+# released deltas are joined into one string every this many (what a list of them costs beside
+# the string stays bounded; appending to one string would copy the whole text every time)
+JOIN_EVERY = 64
+
+
+def keep(parts: list[str], delta: str) -> None:
+    """Add ``delta`` to the released ``parts``, joined every ``JOIN_EVERY``."""
+    parts.append(delta)
+    if len(parts) > JOIN_EVERY:
+        joined(parts)
+
+
+def joined(parts: list[str]) -> str:
+    """The strings of ``parts`` as one, which ``parts`` then holds alone (read again: no join)."""
+    if len(parts) != 1:
+        parts[:] = ["".join(parts)]
+    return parts[0]
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
@@ -29,7 +48,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: a clean boundary
         self._read_offset = 0  # tokens up to here have been released as text
         self._early = 0  # characters of the window past its prefix, released before its end was whole
-        self.text = ""  # everything released so far
+        self._released: list[str] = []  # the deltas released so far (``text`` joins them)
         # With a byte table: the window's bytes (ids from the prefix offset on), the length of
         # its prefix's bytes and text (ids up to the read offset), and whether every id is
         # released with the window valid UTF-8 (``push``'s shortcut).
@@ -38,6 +57,12 @@ class IncrementalDetokenizer:
         self._prefix_bytes = 0
         self._prefix_chars = 0
         self._settled = True
+
+    @property
+    def text(self) -> str:
+        """Everything released so far (kept as the deltas, joined when read: appending to one
+        string would copy the whole text for every token)."""
+        return joined(self._released)
 
     def _decode(self, ids: list[int]) -> str:
         if self._bytes is not None:
@@ -64,7 +89,7 @@ class IncrementalDetokenizer:
                     added = table.bytes_of(token_id)
                     self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
                     self._window, self._prefix_bytes, self._prefix_chars = added, len(added), len(whole)
-                    self.text += whole
+                    keep(self._released, whole)
                     return whole
             added = table.bytes_of(token_id)
             if added is not None:
@@ -94,7 +119,7 @@ class IncrementalDetokenizer:
             except UnicodeDecodeError:
                 chars = len(prefix.decode("utf-8", "replace"))
             self._advance(prefix, chars)
-        self.text += delta
+        keep(self._released, delta)
         return delta
 
     def _advance(self, prefix: bytes, chars: int) -> None:
@@ -115,12 +140,13 @@ class IncrementalDetokenizer:
         else:
             delta = window[start:]
             self._prefix_offset, self._read_offset, self._early = self._read_offset, len(self._ids), 0
-        self.text += delta
+        keep(self._released, delta)
         return delta
 
     def finish(self) -> str:
         """The text not yet released (e.g. a trailing incomplete character)."""
         full = self._decode(self._ids)
-        rest = full[len(self.text) :] if full.startswith(self.text) else ""
-        self.text += rest
+        text = self.text
+        rest = full[len(text) :] if full.startswith(text) else ""
+        keep(self._released, rest)
         return rest
