@@ -31,8 +31,9 @@ Phases are timed by wrapping the named calls inside this script (nothing is adde
 engine), by default in this thread's CPU time (``--clock cpu``), which other work on a shared
 machine inflates less than wall time.
 
-A/B: ``--before REV`` also runs the engine package (``qil_worker/engine/``) as it is at git
-revision REV over the rest of this tree, in child processes alternating with the current one
+A/B: ``--before REV`` also runs the engine package (``qil_worker/engine/``; ``--swap`` names
+the packages of ``qil_worker`` to take, e.g. ``--swap engine text``) as it is at git revision
+REV over the rest of this tree, in child processes alternating with the current one
 (``--rounds`` times each), and prints before / after / ratio per phase with the load average.
 
     python scripts/bench_host_step.py --before 87e3f10 --rounds 3
@@ -217,25 +218,27 @@ def make_models(directory: Path, variants: list[str]) -> None:
         make_checkpoint(directory / "plain", seed=5, vocab_size=PLAIN_VOCAB, max_position_embeddings=4096)
 
 
-def overlay(rev: str, into: Path) -> Path:
-    """This tree's ``qil_worker`` with ``qil_worker/engine/`` as it is at ``rev``."""
+def overlay(rev: str, into: Path, packages: list[str]) -> Path:
+    """This tree's ``qil_worker`` with ``qil_worker/<package>/`` for each of ``packages`` as it
+    is at ``rev``."""
     import shutil
 
     root = into / f"qil-{rev}"
     shutil.copytree(REPO / "qil_worker", root / "qil_worker", ignore=shutil.ignore_patterns("__pycache__"))
-    engine_dir = root / "qil_worker" / "engine"
-    shutil.rmtree(engine_dir)
-    engine_dir.mkdir()
-    files = subprocess.run(
-        ["git", "-C", str(REPO), "ls-tree", "--name-only", f"{rev}:qil_worker/engine"],
-        check=True, capture_output=True, text=True,
-    ).stdout.split()
-    for name in files:
-        text = subprocess.run(
-            ["git", "-C", str(REPO), "show", f"{rev}:qil_worker/engine/{name}"],
+    for package in packages:
+        package_dir = root / "qil_worker" / package
+        shutil.rmtree(package_dir)
+        package_dir.mkdir()
+        files = subprocess.run(
+            ["git", "-C", str(REPO), "ls-tree", "--name-only", f"{rev}:qil_worker/{package}"],
             check=True, capture_output=True, text=True,
-        ).stdout
-        (engine_dir / name).write_text(text)
+        ).stdout.split()
+        for name in files:
+            text = subprocess.run(
+                ["git", "-C", str(REPO), "show", f"{rev}:qil_worker/{package}/{name}"],
+                check=True, capture_output=True, text=True,
+            ).stdout
+            (package_dir / name).write_text(text)
     return root
 
 
@@ -284,6 +287,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="runs of each code version, alternating")
     p.add_argument("--before", metavar="REV", help="also run qil_worker/engine/ as of this git revision")
+    p.add_argument(
+        "--swap", nargs="+", default=["engine"], metavar="PACKAGE",
+        help="the packages of qil_worker that --before takes from REV (default: engine)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the forward's, not host work)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -304,7 +311,7 @@ def main() -> None:
         make_models(model_dir, args.variants)
         versions = {"after": REPO}
         if args.before:
-            versions = {"before": overlay(args.before, Path(tmp)), **versions}
+            versions = {"before": overlay(args.before, Path(tmp), args.swap), **versions}
         labels = list(versions)
         runs: dict[str, list[dict]] = {label: [] for label in labels}
         for round_ in range(args.rounds):
@@ -317,7 +324,8 @@ def main() -> None:
         f"{args.threads}; clock: {'thread CPU time' if args.clock == 'cpu' else 'wall time'}"
     )
     if args.before:
-        print(f"before = qil_worker/engine/ at {args.before}; after = this tree")
+        swapped = ", ".join(f"qil_worker/{package}/" for package in args.swap)
+        print(f"before = {swapped} at {args.before}; after = this tree")
     print(table(runs, labels))
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))

@@ -3,7 +3,9 @@
 Fast paths: one-token chunks in ``build_step_batch`` (``_one_token_each`` beside
 ``flat_tokens``), the sampler's ``plain`` rows (``SamplingRow``), page tables kept as arrays
 (``Request.page_ids``), token events made without the frozen ``__init__``
-(``Event.of_token``), typed arrays into tensors (``transfer.host_tensor``). Each is checked on
+(``Event.of_token``), typed arrays into tensors (``transfer.host_tensor``), draws hashed from
+each request's kept seed state (``sampler.draws_for``), the sampler's batch parameters kept
+while a batch stays (``sampler.BatchRows``). Each is checked on
 its own, and an engine with all of them is checked against one with each replaced by its
 general path, event by event, over a mixed batch with greedy and seeded sampling, stop ids,
 ``max_new_tokens``, a cancel, preemptions, ``n`` samples and logprobs — and every KV page is
@@ -27,6 +29,7 @@ import torch
 from engine_helpers import assert_pool_free
 from qil_worker import Engine
 from qil_worker.engine import batch as batch_module
+from qil_worker.engine import sampler as sampler_module
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics
 from qil_worker.engine.request import Request, SamplingRow
 from qil_worker.engine.sampling_params import SamplingParams
@@ -68,6 +71,7 @@ def test_host_tensor_is_torch_tensor(values, dtype):
         (None, None, None, None, None, None),
         (FinishReason.STOP, -0.25, [(3, -0.25), (1, -2.0)], "ab", 7, "r"),
         (FinishReason.LENGTH, None, None, "", None, None),
+        (FinishReason.STOP, 0.0, [], "", 0, None),  # falsy values are values
     ],
 )
 def test_token_events_equal_the_dataclass_init(reason, logprob, top, text, stop, result):
@@ -148,6 +152,72 @@ def test_sampling_rows_read_as_the_params(params):
         assert not SamplingRow.of(SamplingParams(**{**params, **extra})).plain
 
 
+def _per_row_draws(requests, greedy_rows):
+    """The draws as ``uniform_for`` gives them, one request at a time."""
+    return [
+        0.5 if greedy else sampler_module.uniform_for(r.seed, r.num_output_tokens)
+        for r, greedy in zip(requests, greedy_rows)
+    ]
+
+
+def test_draws_from_kept_seed_states_are_uniform_for_of_each_row():
+    requests = [_request(3, output=i % 5, temperature=0.5) for i in range(12)]
+    for r, seed in zip(requests, [0, 1, 2**64 - 1, 2**63, 12345, 7, 7, 99, 2**40, 3, 4, 5]):
+        r.seed = seed
+    requests[4].in_flight_row = 0  # a token in flight counts in the draw's index
+    greedy = [i % 3 == 0 for i in range(len(requests))]
+    for _ in range(3):  # the kept states serve the next draws too
+        got = sampler_module.draws_for(requests, greedy)
+        assert got == _per_row_draws(requests, greedy)
+        assert all(g == 0.5 for g, is_greedy in zip(got, greedy) if is_greedy)
+        for r in requests:
+            r.output_token_ids.append(1)
+    twin = copy.copy(requests[1])  # a forked sample: the kept state came along, the seed is its own
+    twin.seed = 424242
+    assert sampler_module.draws_for([twin, requests[1]], [False, False]) == _per_row_draws([twin, requests[1]], [False, False])
+    assert sampler_module.draws_for([], []) == []
+    big = _request(2, temperature=1.0)
+    big.output_token_ids.extend([0] * 5000)
+    assert sampler_module.draws_for([big], [False]) == [sampler_module.uniform_for(big.seed, 5000)]
+
+
+def test_a_sampler_keeping_its_batch_samples_as_a_fresh_one():
+    """Steps over the same requests reuse the batch's parameters; a batch that changes (a
+    request gone, one added, the order changed) gets its own; every step's tokens and
+    log-probabilities equal those of a sampler made for that step alone."""
+    kinds = [dict(), dict(temperature=0.8, seed=1), dict(temperature=1.1, top_p=0.8, seed=2),
+             dict(temperature=0.9, top_k=3, min_p=0.1, seed=3), dict(temperature=0.7, seed=4, logprobs=True, top_logprobs=2)]
+    requests = [_request(4 + i, **kinds[i % len(kinds)]) for i in range(10)]
+    batches = [requests, requests, requests[1:], requests[1:], requests[::-1], requests[:3], requests[:3] + [_request(3)]]
+    kept = sampler_module.Sampler()
+    made = []
+    gen = torch.Generator().manual_seed(0)
+    for batch in batches:
+        logits = torch.randn(len(batch), 32, generator=gen)
+        ours = kept.sample(logits, batch)
+        made.append(kept._batch)
+        fresh = sampler_module.Sampler().sample(logits, batch)
+        assert ours == fresh
+        for r, token in zip(batch, ours.tokens):
+            r.output_token_ids.append(token)
+    assert made[0] is made[1] and made[2] is made[3]
+    assert len({id(b) for b in made}) == 5
+
+
+def test_every_request_keeps_one_attribute_layout(model):
+    """Requests of every kind carry the same attributes in the same order once sampled: CPython
+    shares one layout among instances, and an attribute only some carry (set on first use)
+    slows every attribute read of every request."""
+    engine = Engine(model, num_pages=40, page_size=4, max_active=8)
+    for kwargs in _workload(model.config.vocab_size)[:8]:
+        engine.submit(**{k: v for k, v in kwargs.items() if k != "n"})
+    for _ in range(4):
+        engine.step()
+    layouts = {tuple(vars(r)) for r in engine.scheduler.running + list(engine.scheduler.waiting)}
+    assert len(layouts) == 1, layouts
+    engine.close()
+
+
 # -- the engine with its fast paths against the engine with the general ones ------------------
 
 
@@ -162,6 +232,8 @@ def _general_paths(monkeypatch) -> None:
         return Event(request_id, token, index, reason is not None, reason, None, logprob, top, text, stop_reason, result)
 
     monkeypatch.setattr(Event, "of_token", classmethod(event_init))
+    monkeypatch.setattr(sampler_module, "draws_for", _per_row_draws)
+    monkeypatch.setattr(sampler_module.BatchRows, "serves", lambda self, requests, device: False)
 
 
 def _workload(vocab: int) -> list[dict]:

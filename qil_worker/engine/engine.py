@@ -495,16 +495,17 @@ class Engine:
             return
         now = time.perf_counter()
         accept = self._accept_token
-        chosen = zip(step.requests, sampled.tokens, sampled.logprobs, sampled.top_logprobs)
-        if step.marked:  # overlapped: rows of requests that ended since the launch are dropped
-            for request in step.requests:
+        append = events.append
+        marked = step.marked
+        for request, token, logprob, top in zip(step.requests, sampled.tokens, sampled.logprobs, sampled.top_logprobs):
+            if marked:  # overlapped: the token is known now; a request that ended since the launch drops it
                 request.in_flight_row = -1
-            chosen = [row for row in chosen if not row[0].finished]
-        for request, token, logprob, top in chosen:
+                if request.finished:
+                    continue
             event = accept(request, token, now, logprob, top)
             if request.prompt_logprobs is not None:
                 event = request.prompt_logprobs.attach(event)
-            events.append(event if request.group is None else samples.tagged(event, request))
+            append(event if request.group is None else samples.tagged(event, request))
 
     def _fail_step(self, requests: list[Request], exc: Exception, events: list[Event], defer: bool = False) -> None:
         """A step failed as a whole: fail its unfinished ``requests`` (per-request isolation) —

@@ -73,25 +73,32 @@ class Event:
     ) -> "Event":
         """``Event(request_id, token_id, index, finish_reason is not None, finish_reason, None,
         logprob, top_logprobs, text, stop_reason, result)``, the engine's token event, made by
-        filling the instance's dict at once: a frozen dataclass's ``__init__`` sets each of its
-        fields through ``object.__setattr__``, and the engine makes one event per request per
-        step."""
-        event = object.__new__(cls)
-        values = event.__dict__
-        values.update(_EVENT_DEFAULTS)
+        giving the instance a filled dict at once: a frozen dataclass's ``__init__`` sets each
+        of its fields through ``object.__setattr__``, and the engine makes one event per request
+        per step."""
+        values = _EVENT_DEFAULTS.copy()
         values["request_id"] = request_id
         values["token_id"] = token_id
         values["index"] = index
         if finish_reason is not None:
             values["finished"] = True
             values["finish_reason"] = finish_reason
-        values["logprob"] = logprob
-        values["top_logprobs"] = top_logprobs
+        if logprob is not None:
+            values["logprob"] = logprob
+        if top_logprobs is not None:
+            values["top_logprobs"] = top_logprobs
         values["text"] = text
-        values["stop_reason"] = stop_reason
-        values["result"] = result
+        if stop_reason is not None:
+            values["stop_reason"] = stop_reason
+        if result is not None:
+            values["result"] = result
+        event = _new(cls)
+        _set_attribute(event, "__dict__", values)
         return event
 
+
+_new = object.__new__
+_set_attribute = object.__setattr__  # past the frozen dataclass's refusal
 
 # every field of ``Event`` at its default (None for the three without), in field order
 _EVENT_DEFAULTS = {f.name: None if f.default is MISSING else f.default for f in fields(Event)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from qil_worker.engine.outputs import FinishReason, RequestMetrics, Result
 from qil_worker.engine.prompt_logprobs import PromptLogprobs
@@ -86,6 +86,8 @@ class Request:
     in_flight_row: int = -1
     # ``sampling`` as the sampler reads it every step (``sampling`` is fixed from construction on)
     sampling_row: SamplingRow = field(init=False, repr=False)
+    # the sampler's hash state of ``seed`` for its draws, with the seed it is of (``sampler.draws_for``)
+    draw_hash: "tuple[int, Any] | None" = field(default=None, init=False, repr=False)
 
     # ``page_ids``' copy of the page table, and the list it copies
     _page_ids: array = field(default_factory=lambda: array("q"), init=False, repr=False)
@@ -93,6 +95,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self.sampling_row = SamplingRow.of(self.sampling)
+        # set here, not left to the class default: an attribute that only some instances carry
+        # slows every attribute read of every request (CPython's shared instance layout)
+        self.draw_hash = None
 
     def page_ids(self) -> array:
         """The page table's pages as an int64 ``array`` (for a step's tensors), kept from step to

@@ -18,6 +18,8 @@ for the same index), and costs no per-request generator on the device.
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +42,38 @@ def uniform_for(seed: int, index: int) -> float:
     return (int.from_bytes(digest, "little") + 0.5) / 2.0**64
 
 
+def draws_for(requests: list[Request], greedy_rows: list[bool]) -> list[float]:
+    """Each row's ``uniform_for(seed, num_output_tokens)`` (a row's draw index counts a token
+    still in flight), 0.5 for a greedy row, whose draw is never read. Each request keeps the
+    hash state of its seed's part of the hashed text (``Request.draw_hash``): copying it costs
+    less than a new hash, and the digests convert to numbers in one ``array``."""
+    blake2b = hashlib.blake2b
+    digests = []
+    drawn = []
+    for row, (r, greedy) in enumerate(zip(requests, greedy_rows)):
+        if greedy:
+            continue
+        kept = r.draw_hash
+        if kept is None or kept[0] != r.seed:  # first draw, or a sample given its own seed since
+            kept = r.draw_hash = (r.seed, blake2b(b"%d:" % r.seed, digest_size=8))
+        h = kept[1].copy()
+        h.update(b"%d" % r.num_output_tokens)
+        digests.append(h.digest())
+        drawn.append(row)
+    values = array("Q")
+    values.frombytes(b"".join(digests))
+    if sys.byteorder != "little":
+        values.byteswap()
+    out = [0.5] * len(requests)
+    for row, value in zip(drawn, values):
+        out[row] = (value + 0.5) / 2.0**64
+    return out
+
+
 class Sampler:
     def __init__(self) -> None:
         self.grammar_masks = GrammarMasks()
+        self._batch: BatchRows | None = None  # the last step's requests, as sampled
 
     def prepare(self, requests: list[Request], vocab: int) -> None:
         """Before the forward: start what needs only the tokens already accepted (the grammar
@@ -59,48 +90,42 @@ class Sampler:
         """The tokens of ``logits``' rows (and their log-probabilities where asked), left on the
         device: nothing here waits for the device, so a step can be launched and read later.
 
-        Each request's ``sampling_row`` (derived once) gives what every step needs of it; a batch
-        of ``plain`` rows skips the logit-bias, penalty, min-tokens and logprob checks altogether.
+        What the batch's requests ask (``BatchRows``) is derived once and kept while the steps
+        sample the same requests in the same order; a batch of ``plain`` rows skips the
+        logit-bias, penalty, min-tokens and logprob checks altogether.
         """
-        rows = [r.sampling_row for r in requests]
         device = logits.device
+        batch = self._batch
+        if batch is None or not batch.serves(requests, device):
+            batch = self._batch = BatchRows(requests, device, logits.shape[1])
         logits = logits.float()
-        if any(r.grammar is not None for r in requests):
+        if batch.constrained:
             logits = apply_grammar_masks(logits, requests, self.grammar_masks)
-        plain = all(row.plain for row in rows)
-        params = [r.sampling for r in requests]
-        if not plain:
-            if any(p.logit_bias for p in params):
+        params = batch.params
+        if not batch.plain:
+            if batch.biased:
                 logits = apply_logit_bias(logits, params)
-            if any(p.penalized for p in params):
+            if batch.penalized:
                 logits = apply_penalties(logits, requests)
             logits = mask_stops_before_min_tokens(logits, requests)
-        greedy_rows = [row.greedy for row in rows]
-        greedy = all(greedy_rows)
-        if not greedy:
-            temps = to_device([row.divisor for row in rows], device, torch.float32)
-            logits = logits / temps[:, None]
-        want_logprobs = not plain and any(p.logprobs or p.top_logprobs for p in params)
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if batch.temperatures is not None:
+            logits = logits / batch.temperatures[:, None]
+        logprobs = torch.log_softmax(logits, dim=-1) if batch.asked is not None else None
 
-        if greedy:
+        if batch.greedy:
             tokens = logits.argmax(dim=-1)
         else:
-            some_greedy = any(greedy_rows)
-            argmax = logits.argmax(dim=-1) if some_greedy else None  # before truncation, as before the draw
-            if any(row.truncated for row in rows):
-                logits = truncate(logits, params)
+            argmax = logits.argmax(dim=-1) if batch.greedy_mask is not None else None  # before truncation
+            if batch.limits is not None:
+                logits = truncate(logits, params, batch.limits)
             cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
             # greedy rows take the argmax below: their draw is never read, so none is derived;
             # a row's draw index counts a token still in flight (overlapped steps)
-            u = to_device(
-                [0.5 if row.greedy else uniform_for(r.seed, r.num_output_tokens) for r, row in zip(requests, rows)],
-                device, torch.float32,
-            )
+            u = to_device(draws_for(requests, batch.greedy_rows), device, torch.float32)
             drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
             drawn = drawn.clamp_max(logits.shape[1] - 1)
-            if some_greedy:
-                tokens = torch.where(to_device(greedy_rows, device, torch.bool), argmax, drawn)
+            if batch.greedy_mask is not None:
+                tokens = torch.where(batch.greedy_mask, argmax, drawn)
             else:
                 tokens = drawn
 
@@ -109,7 +134,42 @@ class Sampler:
         n_top = min(max(p.top_logprobs for p in params), logits.shape[1])
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         top_values, top_ids = logprobs.topk(n_top, dim=-1) if n_top else (None, None)
-        return DeviceSample(tokens, chosen, top_values, top_ids, [(p.logprobs, p.top_logprobs) for p in params])
+        return DeviceSample(tokens, chosen, top_values, top_ids, batch.asked)
+
+
+class BatchRows:
+    """What the sampler reads of a batch's requests that stays the same from step to step (each
+    request's ``SamplingParams`` and ``SamplingRow``, whether it is constrained: all fixed at
+    submit), with the device tensors made of it: made once for a batch and kept while the
+    steps sample the same requests in the same order, as decode steps mostly do."""
+
+    def __init__(self, requests: list[Request], device: torch.device, vocab: int) -> None:
+        self.requests = requests
+        self.device = device
+        rows = [r.sampling_row for r in requests]
+        self.params = params = [r.sampling for r in requests]
+        self.constrained = any(r.grammar is not None for r in requests)
+        self.plain = all(row.plain for row in rows)
+        self.biased = not self.plain and any(p.logit_bias for p in params)
+        self.penalized = not self.plain and any(p.penalized for p in params)
+        self.greedy_rows = [row.greedy for row in rows]
+        self.greedy = all(self.greedy_rows)
+        # per row (logprobs, top_logprobs), when some row asked for log-probabilities
+        self.asked = (
+            [(p.logprobs, p.top_logprobs) for p in params]
+            if not self.plain and any(p.logprobs or p.top_logprobs for p in params)
+            else None
+        )
+        self.temperatures = None if self.greedy else to_device([row.divisor for row in rows], device, torch.float32)
+        self.greedy_mask = (
+            to_device(self.greedy_rows, device, torch.bool) if not self.greedy and any(self.greedy_rows) else None
+        )
+        truncated = not self.greedy and any(row.truncated for row in rows)
+        self.limits = TruncationLimits.of(params, vocab, device) if truncated else None
+
+    def serves(self, requests: list[Request], device: torch.device) -> bool:
+        """Whether ``requests`` are this batch's (the same objects in the same order)."""
+        return device == self.device and requests == self.requests
 
 
 class DeviceSample:
@@ -241,28 +301,44 @@ def mask_stops_before_min_tokens(logits: torch.Tensor, requests: list[Request]) 
     return logits
 
 
-def truncate(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """top-k, then top-p, then min-p, each with transformers' semantics, per row."""
-    vocab = logits.shape[1]
-    device = logits.device
+@dataclass(frozen=True)
+class TruncationLimits:
+    """Per-row top-k, top-p and min-p limits as device tensors (None: no row uses it)."""
+
+    top_k: torch.Tensor | None  # [S] k, the vocabulary where a row has none
+    top_p: torch.Tensor | None  # [S, 1]
+    min_p: torch.Tensor | None  # [S, 1]
+
+    @classmethod
+    def of(cls, params: list, vocab: int, device: torch.device) -> "TruncationLimits":
+        return cls(
+            to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device)
+            if any(p.top_k > 0 for p in params) else None,
+            to_device([p.top_p for p in params], device)[:, None] if any(p.top_p < 1.0 for p in params) else None,
+            to_device([p.min_p for p in params], device)[:, None] if any(p.min_p > 0.0 for p in params) else None,
+        )
+
+
+def truncate(logits: torch.Tensor, params: list, limits: TruncationLimits | None = None) -> torch.Tensor:
+    """top-k, then top-p, then min-p, each with transformers' semantics, per row (``limits``:
+    those of ``params``, made already)."""
+    if limits is None:
+        limits = TruncationLimits.of(params, logits.shape[1], logits.device)
     neg_inf = float("-inf")
-    if any(p.top_k > 0 for p in params):
-        k = to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device)
+    if limits.top_k is not None:
         sorted_desc = logits.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(1, (k - 1)[:, None])
+        kth = sorted_desc.gather(1, (limits.top_k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, neg_inf)
-    if any(p.top_p < 1.0 for p in params):
-        top_p = to_device([p.top_p for p in params], device)[:, None]
+    if limits.top_p is not None:
         sorted_logits, order = logits.sort(dim=-1)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= 1 - top_p
+        remove_sorted = cumulative <= 1 - limits.top_p
         remove_sorted[:, -1] = False  # always keep the most likely token
         remove = remove_sorted.scatter(1, order, remove_sorted)
         logits = logits.masked_fill(remove, neg_inf)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = to_device([p.min_p for p in params], device)[:, None]
+    if limits.min_p is not None:
         probs = logits.softmax(dim=-1)
-        remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        remove = probs < limits.min_p * probs.amax(dim=-1, keepdim=True)
         remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
         logits = logits.masked_fill(remove, neg_inf)
     return logits

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from qil_worker.text.detokenizer import IncrementalDetokenizer
+from qil_worker.text.detokenizer import IncrementalDetokenizer, joined, keep
 from qil_worker.text.stop_strings import StopStringMatcher
 
 
@@ -19,18 +19,24 @@ class TextOutput:
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._matcher = StopStringMatcher(stop_strings, include_stop_string)
-        self.text = ""  # all text released so far
+        self._released: list[str] = []  # the deltas released so far (``text`` joins them)
+        self.matched_stop: str | None = None  # the stop string the text ended at, once it did
 
     @property
-    def matched_stop(self) -> str | None:
-        return self._matcher.matched
+    def text(self) -> str:
+        """All text released so far."""
+        return joined(self._released)
 
     def push(self, token_id: int) -> str:
-        return self._keep(self._matcher.feed(self._detokenizer.push(token_id)))
+        matcher = self._matcher
+        delta = matcher.feed(self._detokenizer.push(token_id))
+        self.matched_stop = matcher.matched
+        keep(self._released, delta)
+        return delta
 
     def finish(self) -> str:
-        return self._keep(self._matcher.feed(self._detokenizer.finish()) + self._matcher.flush())
-
-    def _keep(self, delta: str) -> str:
-        self.text += delta
+        matcher = self._matcher
+        delta = matcher.feed(self._detokenizer.finish()) + matcher.flush()
+        self.matched_stop = matcher.matched
+        keep(self._released, delta)
         return delta
