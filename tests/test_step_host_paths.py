@@ -210,6 +210,20 @@ def test_a_sampler_keeping_its_batch_samples_as_a_fresh_one():
     assert len({id(ring) for ring in rings}) == 5
 
 
+def test_every_request_keeps_one_attribute_layout(model):
+    """Requests of every kind carry the same attributes in the same order once sampled: CPython
+    shares one layout among instances, and an attribute only some carry (set on first use)
+    slows every attribute read of every request."""
+    engine = Engine(model, num_pages=40, page_size=4, max_active=8)
+    for kwargs in _workload(model.config.vocab_size)[:8]:
+        engine.submit(**{k: v for k, v in kwargs.items() if k != "n"})
+    for _ in range(4):
+        engine.step()
+    layouts = {tuple(vars(r)) for r in engine.scheduler.running + list(engine.scheduler.waiting)}
+    assert len(layouts) == 1, layouts
+    engine.close()
+
+
 # -- the engine with its fast paths against the engine with the general ones ------------------
 
 
