@@ -5,7 +5,7 @@ Fast paths: one-token chunks in ``build_step_batch`` (``_one_token_each`` beside
 (``Request.page_ids``), token events made without the frozen ``__init__``
 (``Event.of_token``), typed arrays into tensors (``transfer.host_tensor``), draws hashed from
 each request's kept seed state (``sampler.draws_for``), the sampler's batch parameters kept
-while a batch stays (``sampler.BatchRows``). Each is checked on
+while a batch stays, rotated or not (``sampler.BatchRows``). Each is checked on
 its own, and an engine with all of them is checked against one with each replaced by its
 general path, event by event, over a mixed batch with greedy and seeded sampling, stop ids,
 ``max_new_tokens``, a cancel, preemptions, ``n`` samples and logprobs — and every KV page is
@@ -182,26 +182,32 @@ def test_draws_from_kept_seed_states_are_uniform_for_of_each_row():
 
 
 def test_a_sampler_keeping_its_batch_samples_as_a_fresh_one():
-    """Steps over the same requests reuse the batch's parameters; a batch that changes (a
-    request gone, one added, the order changed) gets its own; every step's tokens and
-    log-probabilities equal those of a sampler made for that step alone."""
+    """Steps over the same requests, in the same or a rotated order (the scheduler's), reuse the
+    batch's parameters; a batch that changes (a request gone, one added, another order) gets
+    its own; every step's tokens and log-probabilities equal those of a sampler made for that
+    step alone."""
     kinds = [dict(), dict(temperature=0.8, seed=1), dict(temperature=1.1, top_p=0.8, seed=2),
              dict(temperature=0.9, top_k=3, min_p=0.1, seed=3), dict(temperature=0.7, seed=4, logprobs=True, top_logprobs=2)]
     requests = [_request(4 + i, **kinds[i % len(kinds)]) for i in range(10)]
-    batches = [requests, requests, requests[1:], requests[1:], requests[::-1], requests[:3], requests[:3] + [_request(3)]]
+    fewer = requests[1:]
+    batches = [
+        requests, requests, requests[3:] + requests[:3], requests[9:] + requests[:9],  # one ring
+        fewer, fewer[4:] + fewer[:4],  # one ring
+        requests[::-1], requests[:3], requests[:3] + [_request(3)],
+    ]
     kept = sampler_module.Sampler()
-    made = []
+    rings = []
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
         logits = torch.randn(len(batch), 32, generator=gen)
         ours = kept.sample(logits, batch)
-        made.append(kept._batch)
+        rings.append(kept._ring)
         fresh = sampler_module.Sampler().sample(logits, batch)
         assert ours == fresh
         for r, token in zip(batch, ours.tokens):
             r.output_token_ids.append(token)
-    assert made[0] is made[1] and made[2] is made[3]
-    assert len({id(b) for b in made}) == 5
+    assert rings[0] is rings[1] is rings[2] is rings[3] and rings[4] is rings[5]
+    assert len({id(ring) for ring in rings}) == 5
 
 
 def test_every_request_keeps_one_attribute_layout(model):
@@ -233,7 +239,7 @@ def _general_paths(monkeypatch) -> None:
 
     monkeypatch.setattr(Event, "of_token", classmethod(event_init))
     monkeypatch.setattr(sampler_module, "draws_for", _per_row_draws)
-    monkeypatch.setattr(sampler_module.BatchRows, "serves", lambda self, requests, device: False)
+    monkeypatch.setattr(sampler_module.BatchRows, "window_for", lambda self, requests, device: None)
 
 
 def _workload(vocab: int) -> list[dict]:

@@ -17,6 +17,7 @@ for the same index), and costs no per-request generator on the device.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import sys
 from array import array
@@ -73,7 +74,7 @@ def draws_for(requests: list[Request], greedy_rows: list[bool]) -> list[float]:
 class Sampler:
     def __init__(self) -> None:
         self.grammar_masks = GrammarMasks()
-        self._batch: BatchRows | None = None  # the last step's requests, as sampled
+        self._ring: BatchRows | None = None  # of the last batch's requests, twice over (``BatchRows``)
 
     def prepare(self, requests: list[Request], vocab: int) -> None:
         """Before the forward: start what needs only the tokens already accepted (the grammar
@@ -91,13 +92,14 @@ class Sampler:
         device: nothing here waits for the device, so a step can be launched and read later.
 
         What the batch's requests ask (``BatchRows``) is derived once and kept while the steps
-        sample the same requests in the same order; a batch of ``plain`` rows skips the
+        sample the same requests in the same cyclic order; a batch of ``plain`` rows skips the
         logit-bias, penalty, min-tokens and logprob checks altogether.
         """
         device = logits.device
-        batch = self._batch
-        if batch is None or not batch.serves(requests, device):
-            batch = self._batch = BatchRows(requests, device, logits.shape[1])
+        batch = self._ring.window_for(requests, device) if self._ring is not None else None
+        if batch is None:
+            self._ring = BatchRows(requests + requests, device, logits.shape[1])
+            batch = self._ring.window(0, len(requests))
         logits = logits.float()
         if batch.constrained:
             logits = apply_grammar_masks(logits, requests, self.grammar_masks)
@@ -140,8 +142,12 @@ class Sampler:
 class BatchRows:
     """What the sampler reads of a batch's requests that stays the same from step to step (each
     request's ``SamplingParams`` and ``SamplingRow``, whether it is constrained: all fixed at
-    submit), with the device tensors made of it: made once for a batch and kept while the
-    steps sample the same requests in the same order, as decode steps mostly do."""
+    submit), with the device tensors made of it.
+
+    The sampler makes one over a batch's requests twice over (a ring) and keeps it while the
+    steps sample the same requests in the same cyclic order — the scheduler starts the running
+    requests one further every step — each step reading the window of the ring that starts at
+    its first request (``window_for``: list slices and tensor views, no device op)."""
 
     def __init__(self, requests: list[Request], device: torch.device, vocab: int) -> None:
         self.requests = requests
@@ -167,9 +173,36 @@ class BatchRows:
         truncated = not self.greedy and any(row.truncated for row in rows)
         self.limits = TruncationLimits.of(params, vocab, device) if truncated else None
 
-    def serves(self, requests: list[Request], device: torch.device) -> bool:
-        """Whether ``requests`` are this batch's (the same objects in the same order)."""
-        return device == self.device and requests == self.requests
+    def window_for(self, requests: list[Request], device: torch.device) -> "BatchRows | None":
+        """This ring's rows for ``requests`` when they are its requests in its cyclic order
+        (the same objects), else None."""
+        ring = self.requests
+        n = len(requests)
+        if not n or device != self.device or len(ring) != 2 * n:
+            return None
+        try:
+            start = ring.index(requests[0])
+        except ValueError:
+            return None
+        if ring[start : start + n] != requests:
+            return None
+        return self.window(start, n)
+
+    def window(self, start: int, n: int) -> "BatchRows":
+        """Rows ``[start, start + n)`` (the flags, being of the same requests, are the ring's)."""
+        rows = slice(start, start + n)
+        view = copy.copy(self)
+        view.requests = self.requests[rows]
+        view.params = self.params[rows]
+        view.greedy_rows = self.greedy_rows[rows]
+        view.asked = None if self.asked is None else self.asked[rows]
+        view.temperatures = None if self.temperatures is None else self.temperatures[rows]
+        view.greedy_mask = None if self.greedy_mask is None else self.greedy_mask[rows]
+        if self.limits is not None:
+            view.limits = TruncationLimits(
+                *(None if t is None else t[rows] for t in (self.limits.top_k, self.limits.top_p, self.limits.min_p))
+            )
+        return view
 
 
 class DeviceSample:
