@@ -40,6 +40,18 @@ def joined(parts: list[str]) -> str:
     return parts[0]
 
 
+def window_delta(window: str, start: int) -> tuple[str, bool] | None:
+    """(the window's text past ``start`` to release now, whether the window ends a character),
+    or None when it ends one and holds nothing past ``start``. Where it ends in an incomplete
+    character, only the whole characters before it are released."""
+    if window.endswith(REPLACEMENT):
+        whole = window.rstrip(REPLACEMENT)
+        return (whole[start:] if len(whole) > start else ""), False
+    if len(window) <= start:
+        return None
+    return window[start:], True
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
@@ -103,16 +115,13 @@ class IncrementalDetokenizer:
         """``_push_ids`` over the window's bytes."""
         self._settled = False
         self._window = window_bytes
-        window = window_bytes.decode("utf-8", "replace")
-        start = self._prefix_chars + self._early
-        if window.endswith(REPLACEMENT):
-            whole = window.rstrip(REPLACEMENT)
-            delta = whole[start:] if len(whole) > start else ""
-            self._early += len(delta)
-        elif len(window) <= start:
+        found = window_delta(window_bytes.decode("utf-8", "replace"), self._prefix_chars + self._early)
+        if found is None:
             return ""
+        delta, complete = found
+        if not complete:
+            self._early += len(delta)
         else:
-            delta = window[start:]
             prefix = window_bytes[self._prefix_bytes :]
             try:
                 chars, self._settled = len(prefix.decode("utf-8")), True
@@ -130,15 +139,13 @@ class IncrementalDetokenizer:
     def _push_ids(self) -> str:
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
-        start = len(prefix) + self._early
-        if window.endswith(REPLACEMENT):  # an incomplete character: release what precedes it
-            whole = window.rstrip(REPLACEMENT)
-            delta = whole[start:] if len(whole) > start else ""
-            self._early += len(delta)
-        elif len(window) <= start:
+        found = window_delta(window, len(prefix) + self._early)
+        if found is None:
             return ""
+        delta, complete = found
+        if not complete:
+            self._early += len(delta)
         else:
-            delta = window[start:]
             self._prefix_offset, self._read_offset, self._early = self._read_offset, len(self._ids), 0
         keep(self._released, delta)
         return delta
