@@ -7,7 +7,8 @@ CUDA: steps replayed from CUDA graphs against eager. CPU: weights packed for one
 instead (``Qwen3.from_directory(quantize="int8")``). ``--attention A B``: attention backend A
 against B instead (e.g. ``sdpa varlen-packed``; CUDA graphs as the engine's default).
 ``--pack-hint A B`` (CPU): weights packed for oneDNN with batch hint A against hint B
-(``linear.PACK_BATCH_HINT``). For each batch size B: B requests with --prompt-len tokens (or
+(``linear.PACK_BATCH_HINT``). ``--in-place`` (CPU): a lone decode row's keys gathered against
+attended where they lie in the cache (``CpuAttention.key_run``; batch 1 only). For each batch size B: B requests with --prompt-len tokens (or
 lengths spread evenly over ``--prompt-len MIN MAX``) are prefilled, then --steps decode steps
 are timed (wall time of ``Engine.step()``, which ends with the host reading the sampled
 tokens). Prints ms/step and tokens/s for both, and the speed-up.
@@ -17,11 +18,13 @@ tokens). Prints ms/step and tokens/s for both, and the speed-up.
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16 --quantize int8
     python scripts/bench_decode_step.py --batch 1 8 --pack-hint 1 8
+    python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 --in-place
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -67,6 +70,24 @@ def time_steps(model, batch: int, prompt_len: list[int], steps: int, cuda_graphs
     return elapsed
 
 
+@contextlib.contextmanager
+def keys_gathered(enabled: bool):
+    """While ``enabled``: CPU attention gathers every decode row's keys, never attending a lone
+    row's in place (the reference of ``--in-place``)."""
+    from qil_worker.attention.cpu import CpuAttention
+    from qil_worker.attention.sdpa import GatherSdpa
+
+    if not enabled:
+        yield
+        return
+    shipped = CpuAttention.key_run
+    CpuAttention.key_run = GatherSdpa.key_run
+    try:
+        yield
+    finally:
+        CpuAttention.key_run = shipped
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, default=None)
@@ -80,6 +101,8 @@ def main(argv=None) -> int:
                    help="compare the model as loaded with its int8 weight-only quantization")
     p.add_argument("--pack-hint", type=int, nargs=2, default=None, metavar=("A", "B"),
                    help="CPU: compare weights packed for oneDNN with batch hint A against hint B")
+    p.add_argument("--in-place", action="store_true",
+                   help="CPU: compare a lone decode row's keys gathered with attended in place")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--page-size", type=int, default=16)
@@ -112,6 +135,9 @@ def main(argv=None) -> int:
             linear.PACK_BATCH_HINT[model.dtype] = hint
             loaded.append(Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype))
         reference, fast = ((m, False, "auto") for m in loaded)
+    elif args.in_place:
+        names = ("gathered", "in place")
+        reference, fast = (model, False, "auto"), (model, False, "auto")
     elif args.attention:
         names = tuple(args.attention)
         reference, fast = ((model, None, a) for a in args.attention)
@@ -127,7 +153,9 @@ def main(argv=None) -> int:
     print(f"{'batch':>6}{names[0] + ' ms':>10}{names[1] + ' ms':>10}{names[0] + ' tok/s':>13}"
           f"{names[1] + ' tok/s':>13}{'speed-up':>10}")
     for batch in args.batch:
-        slow = time_steps(reference[0], batch, args.prompt_len, args.steps, reference[1], args.page_size, reference[2])
+        with keys_gathered(args.in_place):
+            slow = time_steps(reference[0], batch, args.prompt_len, args.steps, reference[1], args.page_size,
+                              reference[2])
         quick = time_steps(fast[0], batch, args.prompt_len, args.steps, fast[1], args.page_size, fast[2])
         print(f"{batch:>6}{1000 * slow:>10.2f}{1000 * quick:>10.2f}{batch / slow:>13.0f}{batch / quick:>13.0f}"
               f"{slow / quick:>9.2f}x", flush=True)

@@ -287,11 +287,29 @@ def ensure_gguf(llama: LlamaCpp, model_dir: Path, tokenizer_dir: Path, outtype: 
 # --------------------------------------------------------------------------------------------
 
 
-def run_tool(cmd: list[str]) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    return r
+def killed_by_signal(returncode: int) -> bool:
+    """A tool that crashed (a signal: negative from subprocess, or 128 + n through a shell)."""
+    return returncode < 0 or returncode > 128
+
+
+class LlamaRunner:
+    """Runs llama.cpp's tools with weight repacking (its default, the fast layouts for this CPU)
+    and falls back to ``--repack 0`` for a tool whose repacked run crashes: llama.cpp 0c1e57098's
+    repacked q8_0 kernels segfault on prompt processing on some CPUs (seen on a Xeon with AMX).
+    ``fallbacks`` names what ran without repacking, for the report."""
+
+    def __init__(self) -> None:
+        self.fallbacks: list[str] = []
+
+    def run(self, what: str, cmd: list[str], no_repack: list[str]) -> subprocess.CompletedProcess:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0 and killed_by_signal(r.returncode):
+            say(f"  llama.cpp {what} crashed with repacked weights ({r.returncode}); again with {' '.join(no_repack)}")
+            self.fallbacks.append(what)
+            r = subprocess.run(cmd + no_repack, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        return r
 
 
 def llamacpp_round(llama: LlamaCpp, gguf: Path, args) -> tuple[dict[str, float], dict]:
@@ -299,26 +317,33 @@ def llamacpp_round(llama: LlamaCpp, gguf: Path, args) -> tuple[dict[str, float],
     threads = str(args.threads)
     bench = [str(llama.tool("llama-bench")), "-m", str(gguf), "-t", threads, "-r", str(args.llama_reps),
              "-o", "json"]
-    pp_text = run_tool(bench + ["-p", str(args.prompt_len), "-n", "0"]).stdout
-    tg_text = run_tool(bench + ["-p", "0", "-n", str(args.new_tokens), "-d", str(args.prompt_len)]).stdout
+    runner = LlamaRunner()
+    pp_text = runner.run("prefill", bench + ["-p", str(args.prompt_len), "-n", "0"], ["--repack", "0"]).stdout
+    tg_text = runner.run("decode b=1", bench + ["-p", "0", "-n", str(args.new_tokens), "-d", str(args.prompt_len)],
+                         ["--repack", "0"]).stdout
     pp = parse_llama_bench(pp_text)[(args.prompt_len, 0, 0)]
     tg = parse_llama_bench(tg_text)[(0, args.new_tokens, args.prompt_len)]
     batches = (1, *BATCHES)
     ctx = max(batches) * (args.prompt_len + args.new_tokens)
-    r = run_tool([
+    r = runner.run("batched decode", [
         str(llama.tool("llama-batched-bench")), "-m", str(gguf), "-t", threads, "-tb", threads,
         "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(args.prompt_len),
         "-ntg", str(args.new_tokens), "-npl", ",".join(map(str, batches)), "-pps", "--output-format", "jsonl",
-    ])
+    ], ["--no-repack"])
     batched = parse_batched_bench(r.stdout + r.stderr)  # where its log lines go depends on the build
     missing = [b for b in batches if b not in batched]
     if missing:
         raise RuntimeError(f"llama-batched-bench gave no record for batch {missing} (context {ctx})")
     rates = {"prefill": pp, "decode1": tg, "decode1_batched": batched[1]["speed_tg"]}
     rates.update({f"decode{b}": batched[b]["speed_tg"] for b in BATCHES})
+    if runner.fallbacks:  # what repacked decoding reaches where no prompt comes first (cross-check)
+        empty = runner.run("decode b=1 without a prompt", bench + ["-p", "0", "-n", str(args.new_tokens)],
+                           ["--repack", "0"]).stdout
+        rates["decode1_no_prompt"] = parse_llama_bench(empty)[(0, args.new_tokens, 0)]
     meta = json.loads(pp_text)[0]
-    return rates, {k: meta.get(k) for k in ("build_commit", "build_number", "cpu_info", "model_type",
-                                           "model_size", "n_threads", "type_k", "flash_attn")}
+    return rates, {**{k: meta.get(k) for k in ("build_commit", "build_number", "cpu_info", "model_type",
+                                               "model_size", "n_threads", "type_k", "flash_attn")},
+                   "without_repack": runner.fallbacks}
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,8 +448,9 @@ RATIOS = [
 ]
 
 
-def report(results: dict[str, dict[str, list[float]]], args, int8: bool) -> str:
-    """The table and the ratios, as markdown."""
+def report(results: dict[str, dict[str, list[float]]], args, int8: bool, meta: dict[str, dict] | None = None) -> str:
+    """The table and the ratios, as markdown; ``meta``: llama.cpp's records per dtype (which
+    tools ran without weight repacking)."""
     columns = [f"llama.cpp {GGUF_TYPES[d]}" for d in args.dtypes] + [f"qil {d}" for d in args.dtypes]
     rows = []
     for metric, label in ROWS:
@@ -434,6 +460,12 @@ def report(results: dict[str, dict[str, list[float]]], args, int8: bool) -> str:
     out = [markdown_table(["tok/s", *columns], rows), "",
            "llama-batched-bench's own b=1 (cross-check of llama-bench's): "
            + ", ".join(f"{GGUF_TYPES[d]} {c}" for d, c in zip(args.dtypes, cross)), ""]
+    for d, record in (meta or {}).items():
+        if record.get("without_repack"):
+            empty = spread(results.get(f"llama.cpp {GGUF_TYPES[d]}", {}).get("decode1_no_prompt", []))
+            out.insert(len(out) - 1, f"llama.cpp {GGUF_TYPES[d]} crashed with its repacked weights in "
+                       f"{', '.join(record['without_repack'])}; those ran with repacking off (slower). "
+                       f"Repacked decode b=1 without a prompt: {empty}")
     ratio_rows = []
     for label, dtype, metric, target in RATIOS:
         if dtype not in args.dtypes:
@@ -558,7 +590,7 @@ def main(argv=None) -> int:
     if int8 and "int8" in qil_dtypes:
         print(f"qil int8: weight-only int8, activations in {args.int8_compute}")
     print()
-    print(report(results, args, int8))
+    print(report(results, args, int8, meta))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "llamacpp": meta, "results": results}, indent=2) + "\n")

@@ -2,7 +2,8 @@
 
 A CPU step is bound by memory traffic and by SDPA's exponentials rather than by launches, so:
 
-- keys are gathered in whole pages (one index per page, not per token);
+- keys are gathered in whole pages (one index per page, not per token), except a lone decode
+  row's whose pages are consecutive in the pool: those are attended in place by SDPA;
 - decode rows that share leading pages (a cached prompt prefix) attend those keys once for the
   whole group, and the rows' own keys after them; the two parts merge by log-sum-exp;
 - bf16/fp16 decode rows, and decodes with a shared prefix, run as two matmuls over keys gathered
@@ -53,10 +54,23 @@ class CpuAttention(GatherSdpa):
             shared += 1
         return shared if shared * page_size >= MIN_SHARED_PREFIX_TOKENS else 0
 
+    def key_run(self, members: list[ScheduledChunk], key_pages: int, page_size: int) -> int | None:
+        """A lone decode row whose pages are consecutive in the pool (what a request gets from a
+        pool that has not been churned, the common batch-1 case): its keys lie back to back
+        already, so they are attended in place instead of being copied out first."""
+        if len(members) != 1:
+            return None
+        pages = members[0].request.page_table.pages[:key_pages]
+        first = pages[0]
+        return first * page_size if pages == list(range(first, first + key_pages)) else None
+
 
 def decode_kernel(q: torch.Tensor, kv: KVCache, layer: int, group: AttentionGroup) -> torch.Tensor:
-    """Decode rows ``q`` [B, Hkv, G, D]: by matmuls where SDPA's CPU kernel is slow for them
-    (bf16/fp16) or where a shared prefix is merged in; float32 rows by SDPA."""
+    """Decode rows ``q`` [B, Hkv, G, D]: a lone row with consecutive pages by SDPA over its keys
+    in place; otherwise by matmuls where SDPA's CPU kernel is slow for them (bf16/fp16) or where
+    a shared prefix is merged in; float32 rows by SDPA."""
+    if group.key_run is not None:
+        return _decode_in_place(q, kv, layer, group)
     prefix = _prefix_partial(q, kv, layer, group.prefix_slots) if group.prefix_slots is not None else None
     if prefix is not None or q.dtype != torch.float32:
         return _decode_by_matmuls(q, kv, layer, group, prefix)
@@ -94,6 +108,16 @@ def _decode_by_matmuls(
         else:
             outs.append(_merge_with_prefix(tuple(t[i:j] for t in prefix), q[i:j], keys, values, row_bias[i:j]))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _decode_in_place(q: torch.Tensor, kv: KVCache, layer: int, group: AttentionGroup) -> torch.Tensor:
+    """One decode row ``q`` [1, Hkv, G, D] by SDPA over its keys where they lie in the cache
+    (``AttentionGroup.key_run``): a strided view, no gather. Copying a lone row's keys out costs
+    more than attending them: they come from memory, not cache, after a step's worth of weights."""
+    start, length = group.key_run, group.key_slots.shape[1]
+    keys = kv.k[layer, start : start + length].unsqueeze(0).transpose(1, 2)  # [1, Hkv, L, D]
+    values = kv.v[layer, start : start + length].unsqueeze(0).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias(group, q.dtype))
 
 
 def _decode_by_sdpa(q: torch.Tensor, kv: KVCache, layer: int, group: AttentionGroup) -> torch.Tensor:

@@ -61,6 +61,9 @@ class AttentionGroup:
     # CPU decodes attended by matmuls: ``KVCache.head_rows`` of key_slots (each KV head's keys
     # contiguous once gathered), made on first use
     key_rows: torch.Tensor | None = None
+    # CPU, one decode row whose pages are consecutive in the pool: the slot its keys start at,
+    # so they are attended where they lie (slots key_run..key_run+l_max-1), with no gather
+    key_run: int | None = None
 
 
 @dataclass
@@ -119,6 +122,11 @@ class GatherSdpa(AttentionBackend):
         """Leading pages every decode row of a group shares, attended once for all (0: none)."""
         return 0
 
+    def key_run(self, members: list[ScheduledChunk], key_pages: int, page_size: int) -> int | None:
+        """For a decode group whose keys (its first ``key_pages`` pages) can be attended in
+        place, the slot they start at; None (the default): gather them."""
+        return None
+
     def step_metadata(self, step: StepLayout) -> GroupedAttention:
         groups: list[AttentionGroup] = []
         start = first_row = 0
@@ -172,6 +180,7 @@ class GatherSdpa(AttentionBackend):
                 kv_slots(tables[:1], torch.arange(prefix_tokens, device=device), page_size)[0] if shared else None
             ),
             key_pages=tables[:, shared : l_max // page_size] if self.whole_pages else None,
+            key_run=self.key_run(members, l_max // page_size, page_size) if q_max == 1 and not shared else None,
         )
 
     def decode_metadata(

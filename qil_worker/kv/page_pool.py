@@ -68,8 +68,12 @@ class PagePool:
         self._cached[page] = cached
 
     def free(self, pages: list[int]) -> None:
-        """One holder fewer for each page; unheld pages go idle (if cached) or free."""
-        for page in pages:
+        """One holder fewer for each page; unheld pages go idle (if cached) or free.
+
+        Last page first: the free list is a stack, so the next request gets them back in the
+        order this one held them, consecutive pages staying consecutive (which CPU attention
+        reads in place; ``CpuAttention.key_run``)."""
+        for page in reversed(pages):
             if self._refs[page] <= 0:
                 raise RuntimeError(f"page {page} freed twice")
             self._refs[page] -= 1

@@ -1,0 +1,110 @@
+"""A lone decode row whose pages are consecutive in the pool is attended where its keys lie
+(``CpuAttention.key_run``, ``cpu._decode_in_place``) instead of being gathered first."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine_helpers import assert_pool_free, random_prompts, reference_greedy, run_to_completion
+from qil_worker import Engine, Qwen3
+from qil_worker.attention import cpu
+from qil_worker.kv import PagePool
+
+
+def _members(*tables: list[int]) -> list[SimpleNamespace]:
+    return [SimpleNamespace(request=SimpleNamespace(page_table=SimpleNamespace(pages=t))) for t in tables]
+
+
+def test_key_run_needs_one_row_whose_key_pages_are_consecutive():
+    backend = cpu.CpuAttention()
+    assert backend.key_run(_members([3, 4, 5]), 3, page_size=4) == 12
+    assert backend.key_run(_members([7]), 1, page_size=4) == 28
+    assert backend.key_run(_members([3, 4, 9]), 2, page_size=4) == 12  # only the pages with keys count
+    assert backend.key_run(_members([3, 5, 6]), 3, page_size=4) is None
+    assert backend.key_run(_members([5, 4]), 2, page_size=4) is None  # consecutive, but backwards
+    assert backend.key_run(_members([3, 4], [5, 6]), 2, page_size=4) is None  # two rows: gathered
+
+
+def test_freed_pages_come_back_in_the_order_they_were_held():
+    pool = PagePool(8)
+    held = pool.allocate(5)
+    assert held == [0, 1, 2, 3, 4]
+    pool.free(held)
+    assert pool.allocate(3) == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    return {d: Qwen3.from_directory(tiny_dir, dtype=d) for d in ("float32", "bfloat16")}
+
+
+def _spy_kernels(monkeypatch) -> dict[str, list]:
+    calls: dict[str, list] = {"in_place": [], "gathered": []}
+    in_place, by_matmuls, by_sdpa = cpu._decode_in_place, cpu._decode_by_matmuls, cpu._decode_by_sdpa
+
+    def spy_in_place(q, kv, layer, group):
+        calls["in_place"].append((q.clone(), kv, layer, group))
+        return in_place(q, kv, layer, group)
+
+    def spy(kernel):
+        def wrapped(*args):
+            calls["gathered"].append(args)
+            return kernel(*args)
+        return wrapped
+
+    monkeypatch.setattr(cpu, "_decode_in_place", spy_in_place)
+    monkeypatch.setattr(cpu, "_decode_by_matmuls", spy(by_matmuls))
+    monkeypatch.setattr(cpu, "_decode_by_sdpa", spy(by_sdpa))
+    return calls
+
+
+def test_requests_one_after_another_decode_in_place_and_match_transformers(models, ref, monkeypatch):
+    """Each request alone on the engine holds consecutive pages — the second one too, on the
+    pages the first gave back — so every decode step attends in place; tokens are transformers'."""
+    calls = _spy_kernels(monkeypatch)
+    engine = Engine(models["float32"], num_pages=32, page_size=4, token_budget=64, prefill_chunk=64)
+    for prompt in random_prompts([9, 14], seed=21):
+        rid = engine.submit(prompt, max_new_tokens=12)
+        run_to_completion(engine)
+        assert engine.result(rid).output_token_ids == reference_greedy(ref, prompt, 12)
+    layers = len(models["float32"].layers)
+    assert len(calls["in_place"]) == 2 * 11 * layers  # every decode step of both, every layer
+    assert not calls["gathered"]
+    assert_pool_free(engine)
+
+
+def test_in_place_attention_equals_the_gathered_kernels(models, monkeypatch):
+    """The same decode row's attention, in place and gathered (by matmuls for bf16, by SDPA for
+    float32), across page boundaries and with the last page partly written."""
+    for dtype, gathered, tolerance in (("float32", cpu._decode_by_sdpa, 1e-5), ("bfloat16", None, 2e-2)):
+        calls = _spy_kernels(monkeypatch)
+        engine = Engine(models[dtype], num_pages=32, page_size=4, token_budget=64, prefill_chunk=64)
+        engine.submit(random_prompts([13], seed=4)[0], max_new_tokens=8)
+        run_to_completion(engine)
+        assert calls["in_place"] and not calls["gathered"]
+        monkeypatch.undo()
+        for q, kv, layer, group in calls["in_place"][-len(models[dtype].layers):]:  # the last step (context 20)
+            got = cpu._decode_in_place(q, kv, layer, group)
+            if gathered is not None:
+                want = gathered(q, kv, layer, group)
+            else:
+                want = cpu._decode_by_matmuls(q, kv, layer, group, None)
+            assert got.dtype == want.dtype == q.dtype
+            torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_decode_rows_side_by_side_are_gathered(models, ref, monkeypatch):
+    """Two requests decoding together (one group of two rows, their pages interleaved as they
+    grow) are gathered as before, and give transformers' tokens."""
+    calls = _spy_kernels(monkeypatch)
+    engine = Engine(models["float32"], num_pages=32, page_size=4, token_budget=64, prefill_chunk=64)
+    prompts = random_prompts([3, 5], seed=8)
+    ids = [engine.submit(p, max_new_tokens=14) for p in prompts]
+    run_to_completion(engine)
+    for rid, prompt in zip(ids, prompts):
+        assert engine.result(rid).output_token_ids == reference_greedy(ref, prompt, 14)
+    assert calls["gathered"] and not calls["in_place"]
+    assert_pool_free(engine)
