@@ -108,3 +108,33 @@ def test_decode_rows_side_by_side_are_gathered(models, ref, monkeypatch):
         assert engine.result(rid).output_token_ids == reference_greedy(ref, prompt, 14)
     assert calls["gathered"] and not calls["in_place"]
     assert_pool_free(engine)
+
+
+def test_a_growing_holder_gets_the_page_after_its_last_when_that_one_is_free():
+    pool = PagePool(8)
+    a = pool.allocate(2)
+    b = pool.allocate(1)
+    assert (a, b) == ([0, 1], [2])
+    assert pool.allocate(1, after=a[-1]) == [3]  # 2 is held: the page freed last instead
+    pool.free(a)
+    assert pool.allocate(1, after=b[-1]) == [0]  # 3 is held too: the top of the stack
+    assert pool.allocate(3) == [1, 4, 5]  # the top, then 2 is held: the top (4), then onwards
+    assert pool.allocate(1, after=5) == [6]
+
+
+def test_a_lone_request_after_concurrent_traffic_still_decodes_in_place(models, ref, monkeypatch):
+    """Requests growing side by side interleave their pages; once they are gone, a request
+    alone still gets consecutive pages (each page the one after its last), so it is attended in
+    place, with transformers' tokens, and every page is free at the end."""
+    engine = Engine(models["float32"], num_pages=40, page_size=4, token_budget=64, prefill_chunk=64,
+                    prefix_cache=False)
+    for prompt in random_prompts([3, 6, 5], seed=2):
+        engine.submit(prompt, max_new_tokens=11)
+    run_to_completion(engine)
+    calls = _spy_kernels(monkeypatch)
+    prompt = random_prompts([10], seed=12)[0]
+    rid = engine.submit(prompt, max_new_tokens=15)
+    run_to_completion(engine)
+    assert engine.result(rid).output_token_ids == reference_greedy(ref, prompt, 15)
+    assert len(calls["in_place"]) == 14 * len(models["float32"].layers) and not calls["gathered"]
+    assert_pool_free(engine)

@@ -18,7 +18,9 @@ class PagePool:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.total = num_pages
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        # free pages as an insertion-ordered set: a stack (``popitem`` takes the last one freed)
+        # that can also hand out one given page at once (``allocate``'s ``after``)
+        self._free: dict[int, None] = dict.fromkeys(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, unheld; oldest first
         self._cached = [False] * num_pages
@@ -41,11 +43,24 @@ class PagePool:
     def refs(self, page: int) -> int:
         return self._refs[page]
 
-    def allocate(self, count: int) -> list[int] | None:
-        """``count`` fresh pages, or ``None`` (taking nothing) when fewer are available."""
+    def allocate(self, count: int, after: int | None = None) -> list[int] | None:
+        """``count`` fresh pages, or ``None`` (taking nothing) when fewer are available.
+
+        Each page is the one after the previous (the first: after ``after``, the holder's last
+        page) when that one is free, so a request's pages stay consecutive where the pool
+        allows: CPU attention reads a lone decode row's keys in place then
+        (``CpuAttention.key_run``). Otherwise the page freed last."""
         if count > self.num_free:
             return None
-        pages = [self._free.pop() for _ in range(min(count, len(self._free)))]
+        pages: list[int] = []
+        previous = after
+        while len(pages) < count and self._free:
+            if previous is not None and previous + 1 in self._free:
+                previous += 1
+                del self._free[previous]
+            else:
+                previous, _ = self._free.popitem()
+            pages.append(previous)
         while len(pages) < count:
             page, _ = self._idle.popitem(last=False)
             self._cached[page] = False
@@ -71,8 +86,7 @@ class PagePool:
         """One holder fewer for each page; unheld pages go idle (if cached) or free.
 
         Last page first: the free list is a stack, so the next request gets them back in the
-        order this one held them, consecutive pages staying consecutive (which CPU attention
-        reads in place; ``CpuAttention.key_run``)."""
+        order this one held them."""
         for page in reversed(pages):
             if self._refs[page] <= 0:
                 raise RuntimeError(f"page {page} freed twice")
@@ -81,4 +95,4 @@ class PagePool:
                 if self._cached[page]:
                     self._idle[page] = None
                 else:
-                    self._free.append(page)
+                    self._free[page] = None

@@ -26,7 +26,7 @@ class PageTable:
         needed = self.extra_pages_for(num_tokens)
         if needed == 0:
             return True
-        pages = pool.allocate(needed)
+        pages = pool.allocate(needed, after=self.pages[-1] if self.pages else None)
         if pages is None:
             return False
         self.pages.extend(pages)

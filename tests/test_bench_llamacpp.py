@@ -1,0 +1,48 @@
+"""bench_llamacpp.py's handling of a llama.cpp tool that crashes with repacked weights: run
+again without repacking, and said in the report (real child processes, no llama.cpp needed)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import bench_llamacpp as bl  # noqa: E402
+
+# a stand-in tool: killed by SIGSEGV unless repacking is off, as llama.cpp's q8_0 is on some CPUs
+CRASHES_WITH_REPACK = [sys.executable, "-c",
+                       "import os, signal, sys; print('ran', *sys.argv[1:]); "
+                       "'0' in sys.argv or os.kill(os.getpid(), signal.SIGSEGV)"]
+
+
+def test_a_tool_that_crashes_with_repacked_weights_runs_again_without():
+    runner = bl.LlamaRunner()
+    r = runner.run("prefill", CRASHES_WITH_REPACK, ["--repack", "0"])
+    assert r.stdout.strip() == "ran --repack 0"
+    assert runner.fallbacks == ["prefill"]
+    fine = runner.run("decode b=1", [sys.executable, "-c", "print('ran')"], ["--repack", "0"])
+    assert fine.stdout.strip() == "ran" and runner.fallbacks == ["prefill"]
+
+
+def test_a_tool_that_fails_without_crashing_is_an_error_not_a_fallback():
+    runner = bl.LlamaRunner()
+    with pytest.raises(RuntimeError, match="failed"):
+        runner.run("prefill", [sys.executable, "-c", "raise SystemExit(2)"], ["--repack", "0"])
+    assert runner.fallbacks == []
+    assert bl.killed_by_signal(-11) and bl.killed_by_signal(139) and not bl.killed_by_signal(2)
+
+
+def test_the_report_names_what_ran_without_repacking():
+    args = argparse.Namespace(dtypes=["int8"], prompt_len=128)
+    rates = {"prefill": [179.0], "decode1": [20.6], "decode1_batched": [20.3], "decode8": [66.6],
+             "decode16": [82.9], "decode1_no_prompt": [41.3]}
+    results = {"llama.cpp q8_0": rates, "qil int8": {"prefill": [378.0], "decode1": [17.9], "decode8": [59.1],
+                                                      "decode16": [66.6]}}
+    text = bl.report(results, args, True, {"int8": {"without_repack": ["prefill", "decode b=1"]}})
+    assert "q8_0 crashed with its repacked weights in prefill, decode b=1" in text
+    assert "Repacked decode b=1 without a prompt: 41.3" in text
+    assert "crashed" not in bl.report(results, args, True, {"int8": {"without_repack": []}})
