@@ -55,9 +55,9 @@ class CpuAttention(GatherSdpa):
         return shared if shared * page_size >= MIN_SHARED_PREFIX_TOKENS else 0
 
     def key_run(self, members: list[ScheduledChunk], key_pages: int, page_size: int) -> int | None:
-        """A lone decode row whose pages are consecutive in the pool (what a request gets from a
-        pool that has not been churned, the common batch-1 case): its keys lie back to back
-        already, so they are attended in place instead of being copied out first."""
+        """A lone decode row whose pages are consecutive in the pool (what the page pool gives a
+        request growing alone: the common batch-1 case): its keys lie back to back already, so
+        they are attended in place instead of being copied out first."""
         if len(members) != 1:
             return None
         pages = members[0].request.page_table.pages[:key_pages]
