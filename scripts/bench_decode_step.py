@@ -8,10 +8,11 @@ instead (``Qwen3.from_directory(quantize="int8")``). ``--attention A B``: attent
 against B instead (e.g. ``sdpa varlen-packed``; CUDA graphs as the engine's default).
 ``--pack-hint A B`` (CPU): weights packed for oneDNN with batch hint A against hint B
 (``linear.PACK_BATCH_HINT``). ``--in-place`` (CPU): a lone decode row's keys gathered against
-attended where they lie in the cache (``CpuAttention.key_run``; batch 1 only). For each batch size B: B requests with --prompt-len tokens (or
-lengths spread evenly over ``--prompt-len MIN MAX``) are prefilled, then --steps decode steps
-are timed (wall time of ``Engine.step()``, which ends with the host reading the sampled
-tokens). Prints ms/step and tokens/s for both, and the speed-up.
+attended where they lie in the cache (``CpuAttention.key_run``; batch 1 only). For each batch
+size B: B requests with --prompt-len tokens (or lengths spread evenly over ``--prompt-len MIN
+MAX``) are prefilled, then --steps decode steps are timed (wall time of ``Engine.step()``,
+which ends with the host reading the sampled tokens). Prints ms/step and tokens/s for both, and
+the speed-up.
 
     python scripts/bench_decode_step.py --device cuda --batch 1 8 64 256
     python scripts/bench_decode_step.py --device cuda --attention sdpa varlen-packed --prompt-len 100 2000
@@ -136,8 +137,8 @@ def main(argv=None) -> int:
             loaded.append(Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype))
         reference, fast = ((m, False, "auto") for m in loaded)
     elif args.in_place:
-        names = ("gathered", "in place")
-        reference, fast = (model, False, "auto"), (model, False, "auto")
+        names = ("gathered", "in place")  # the same engine settings; ``keys_gathered`` makes the difference
+        reference = fast = (model, False, "auto")
     elif args.attention:
         names = tuple(args.attention)
         reference, fast = ((model, None, a) for a in args.attention)

@@ -303,7 +303,7 @@ class LlamaRunner:
 
     def run(self, what: str, cmd: list[str], no_repack: list[str]) -> subprocess.CompletedProcess:
         r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0 and killed_by_signal(r.returncode):
+        if killed_by_signal(r.returncode):
             say(f"  llama.cpp {what} crashed with repacked weights ({r.returncode}); again with {' '.join(no_repack)}")
             self.fallbacks.append(what)
             r = subprocess.run(cmd + no_repack, capture_output=True, text=True)

@@ -62,8 +62,9 @@ def _spy_kernels(monkeypatch) -> dict[str, list]:
 
 
 def test_requests_one_after_another_decode_in_place_and_match_transformers(models, ref, monkeypatch):
-    """Each request alone on the engine holds consecutive pages — the second one too, on the
-    pages the first gave back — so every decode step attends in place; tokens are transformers'."""
+    """Each request alone on the engine holds consecutive pages (the second one too, beside the
+    first one's pages, which the prefix cache keeps), so every decode step attends in place;
+    tokens are transformers'."""
     calls = _spy_kernels(monkeypatch)
     engine = Engine(models["float32"], num_pages=32, page_size=4, token_budget=64, prefill_chunk=64)
     for prompt in random_prompts([9, 14], seed=21):
@@ -79,7 +80,11 @@ def test_requests_one_after_another_decode_in_place_and_match_transformers(model
 def test_in_place_attention_equals_the_gathered_kernels(models, monkeypatch):
     """The same decode row's attention, in place and gathered (by matmuls for bf16, by SDPA for
     float32), across page boundaries and with the last page partly written."""
-    for dtype, gathered, tolerance in (("float32", cpu._decode_by_sdpa, 1e-5), ("bfloat16", None, 2e-2)):
+    gathered_kernels = {  # looked up after the spies are undone
+        "float32": lambda *args: cpu._decode_by_sdpa(*args),
+        "bfloat16": lambda *args: cpu._decode_by_matmuls(*args, None),
+    }
+    for dtype, tolerance in (("float32", 1e-5), ("bfloat16", 2e-2)):
         calls = _spy_kernels(monkeypatch)
         engine = Engine(models[dtype], num_pages=32, page_size=4, token_budget=64, prefill_chunk=64)
         engine.submit(random_prompts([13], seed=4)[0], max_new_tokens=8)
@@ -88,10 +93,7 @@ def test_in_place_attention_equals_the_gathered_kernels(models, monkeypatch):
         monkeypatch.undo()
         for q, kv, layer, group in calls["in_place"][-len(models[dtype].layers):]:  # the last step (context 20)
             got = cpu._decode_in_place(q, kv, layer, group)
-            if gathered is not None:
-                want = gathered(q, kv, layer, group)
-            else:
-                want = cpu._decode_by_matmuls(q, kv, layer, group, None)
+            want = gathered_kernels[dtype](q, kv, layer, group)
             assert got.dtype == want.dtype == q.dtype
             torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
