@@ -69,3 +69,15 @@ def test_structured_output_benchmark_reports_throughput_ratio_and_ttft(tmp_path)
     assert result["constrained_tok_s"] > 0 and result["free_tok_s"] > 0 and result["ratio"] > 0
     assert result["ttft_new_ms"] > 0 and result["ttft_cached_ms"] > 0 and result["fill_ms"] > 0
     assert "constrained" in proc.stdout and "new-schema overhead" in proc.stdout
+
+
+def test_step_parts_times_every_variant_in_one_engine(tmp_path):
+    proc = run_script(
+        "bench_step_parts.py", "--quick", "--dtype", "float32", "--threads", "1", "--rounds", "2",
+        "--steps", "1", "--prompt-len", "20", "--model-dir", str(tmp_path / "model"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line[:18].strip(): line[18:].split() for line in proc.stdout.splitlines()[2:]}
+    assert list(rows) == ["full", "no norms", "no rope", "no attention", "projections only"]
+    assert len(rows["full"]) == 2 and all(len(v) == 4 for name, v in rows.items() if name != "full")
+    assert all(float(v[0]) > 0 for v in rows.values())
