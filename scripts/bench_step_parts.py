@@ -22,6 +22,7 @@ them alike; the table gives medians over rounds.
     python scripts/bench_step_parts.py --dtype bfloat16 --threads 2
     python scripts/bench_step_parts.py --dtype bfloat16 --quantize int8 --threads 2
     python scripts/bench_step_parts.py --dtype float32 --batch 8
+    python scripts/bench_step_parts.py --variants full "projections only"
 """
 
 from __future__ import annotations
@@ -108,11 +109,12 @@ VARIANTS = {
 }
 
 
-def measure(model, batch: int, prompt_len: int, rounds: int, steps: int, page_size: int) -> dict[str, list[float]]:
-    """Seconds per step of each variant, one sample per round."""
+def measure(model, batch: int, prompt_len: int, rounds: int, steps: int, page_size: int,
+            names: list[str]) -> dict[str, list[float]]:
+    """Seconds per step of each variant in ``names``, one sample per round."""
     from qil_worker import Engine
 
-    new_tokens = rounds * len(VARIANTS) * (steps + 1) + 8
+    new_tokens = rounds * len(names) * (steps + 1) + 8
     pages = batch * (-(-(prompt_len + new_tokens) // page_size)) + 8
     engine = Engine(model, num_pages=pages, page_size=page_size, token_budget=max(4096, batch * prompt_len),
                     prefill_chunk=prompt_len, max_active=batch, prefix_cache=False)
@@ -124,8 +126,7 @@ def measure(model, batch: int, prompt_len: int, rounds: int, steps: int, page_si
     while len(started) < batch:
         started.update(e.request_id for e in engine.step() if e.token_id is not None)
     engine.step()
-    samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    names = list(VARIANTS)
+    samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             with VARIANTS[name]():
@@ -140,11 +141,11 @@ def measure(model, batch: int, prompt_len: int, rounds: int, steps: int, page_si
 
 
 def report(samples: dict[str, list[float]], batch: int) -> list[str]:
-    full = statistics.median(samples["full"])
+    full = statistics.median(samples["full"]) if "full" in samples else None
     lines = [f"{'variant':<18}{'ms/step':>9}{'tok/s':>8}{'part costs ms':>15}{'of the step':>13}"]
     for name, values in samples.items():
         ms = statistics.median(values)
-        cost = "" if name == "full" else f"{1000 * (full - ms):>15.2f}{(full - ms) / full:>13.0%}"
+        cost = "" if name == "full" or full is None else f"{1000 * (full - ms):>15.2f}{(full - ms) / full:>13.0%}"
         lines.append(f"{name:<18}{1000 * ms:>9.2f}{batch / ms:>8.1f}{cost}")
     return lines
 
@@ -156,6 +157,8 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", choices=("int8",), default=None)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="the variants to time (default: all)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant and round")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
     default = Path.home() / ".cache" / "qil" / ("bench-quick" if args.quick else "bench-qwen3-0.6b-shape")
     model = Qwen3.from_directory(ensure_model(args.model_dir or default, shape), dtype=args.dtype,
                                  quantize=args.quantize)
-    samples = measure(model, args.batch, args.prompt_len, args.rounds, args.steps, args.page_size)
+    samples = measure(model, args.batch, args.prompt_len, args.rounds, args.steps, args.page_size, args.variants)
     print(f"decode step parts, {model.dtype}{' int8' if args.quantize else ''} on cpu, batch {args.batch}, "
           f"prompt {args.prompt_len}, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps")
     print("\n".join(report(samples, args.batch)))

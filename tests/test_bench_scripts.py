@@ -81,3 +81,12 @@ def test_step_parts_times_every_variant_in_one_engine(tmp_path):
     assert list(rows) == ["full", "no norms", "no rope", "no attention", "projections only"]
     assert len(rows["full"]) == 2 and all(len(v) == 4 for name, v in rows.items() if name != "full")
     assert all(float(v[0]) > 0 for v in rows.values())
+    # a subset, without the full step to cost the parts against
+    proc = run_script(
+        "bench_step_parts.py", "--quick", "--dtype", "float32", "--threads", "1", "--rounds", "1",
+        "--steps", "1", "--prompt-len", "20", "--model-dir", str(tmp_path / "model"),
+        "--variants", "projections only",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line[:18].strip(): line[18:].split() for line in proc.stdout.splitlines()[2:]}
+    assert list(rows) == ["projections only"] and len(rows["projections only"]) == 2
