@@ -30,12 +30,16 @@ class CapacityError(InvalidRequestError):
     """A request can never fit: the whole KV pool or the model's positions are too small."""
 
     @classmethod
-    def positions(cls, prompt_tokens: int, max_new_tokens: int, max_positions: int) -> "CapacityError":
+    def positions(
+        cls, prompt_tokens: int, max_new_tokens: int, max_positions: int, prompt_field: str = "token_ids"
+    ) -> "CapacityError":
         """Prompt + max_new_tokens beyond the model's positions (the engine checks it; the
-        service's front too, before it ships a huge prompt to the worker)."""
+        service's front too, before it ships a huge prompt to the worker). The prompt's field
+        (``prompt_field``: token_ids, text or messages) is blamed when the prompt alone leaves
+        no room for one new token, else max_new_tokens."""
         total = prompt_tokens + max_new_tokens
         return cls(
-            "max_new_tokens",
+            prompt_field if prompt_tokens >= max_positions else "max_new_tokens",
             f"prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
             f"model's {max_positions} positions",
         )

@@ -93,10 +93,11 @@ def make_tokenizer(path: Path, vocab_size: int = 300):
     return fast
 
 
-def make_text_checkpoint(path: Path, seed: int = 5) -> Path:
-    """A random checkpoint whose vocabulary is a local tokenizer's (EOS = <|im_end|>)."""
+def make_text_checkpoint(path: Path, seed: int = 5, **overrides: Any) -> Path:
+    """A random checkpoint whose vocabulary is a local tokenizer's (EOS = <|im_end|>);
+    ``overrides``: further config values (``max_position_embeddings``...)."""
     tokenizer = make_tokenizer(path)
-    make_checkpoint(path, seed=seed, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    make_checkpoint(path, seed=seed, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
     return Path(path)
 
 

@@ -90,3 +90,10 @@ def test_step_parts_times_every_variant_in_one_engine(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {line[:18].strip(): line[18:].split() for line in proc.stdout.splitlines()[2:]}
     assert list(rows) == ["projections only"] and len(rows["projections only"]) == 2
+
+
+def test_the_hostile_input_run_refuses_every_case_and_leaves_the_server_idle():
+    out = run_script("hostile_inputs.py")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| gRPC") or line.startswith("| HTTP")]
+    assert len(rows) > 30 and all(row.endswith("| yes | yes |") for row in rows), out.stdout

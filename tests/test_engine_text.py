@@ -276,7 +276,9 @@ def test_nothing_after_a_match_even_at_finish():
     assert m.feed("aSTOP") == "a" and m.feed("more") == "" and m.flush() == ""
 
 
-def test_empty_text_is_refused_naming_text(tok):
+def test_empty_text_is_one_document_start_token(tok):
+    # as the OpenAI API treats an empty prompt: the model generates as from a new document
+    assert encode_prompt(tok, text="") == [tok.convert_tokens_to_ids("<|endoftext|>")]
     with pytest.raises(InvalidRequestError) as info:
-        encode_prompt(tok, text="")
+        encode_prompt(tok, text=5)
     assert info.value.field == "text"

@@ -49,6 +49,8 @@ def _error(resp: httpx.Response, status: int, param: str | None, kind: str = "in
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == kind and err["param"] == param, err
     assert err["message"]
+    if param is not None:  # SDKs show only the message: it names the parameter too
+        assert err["message"].startswith(f"{param}: "), err
     return err["message"]
 
 
@@ -128,6 +130,13 @@ def test_chat_without_a_tokenizer_is_400(server):
     msg = _error(_post(server, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": 2}), 400, "messages")
     assert "tokenizer" in msg
+
+
+def test_no_tokenizer_routes_without_a_tokenizer(server):
+    root = f"http://127.0.0.1:{server.http_port}"
+    assert httpx.get(f"{root}/tokenizer_info", timeout=30).status_code == 404
+    _error(httpx.post(f"{root}/tokenize", json={"prompt": "x"}, timeout=30), 400, "prompt")
+    _error(httpx.post(f"{root}/detokenize", json={"tokens": [1, 2]}, timeout=30), 400, "tokens")
 
 
 def test_body_that_is_not_json_or_too_large(server):
@@ -275,7 +284,9 @@ def test_auth(model_dir):
                 bad.completions.create(model=name, prompt=PROMPT, max_tokens=2)
             with pytest.raises(openai.AuthenticationError):
                 bad.models.list()
-        _error(httpx.post(url, json=body), 401, None, "authentication_error")
+        unauthenticated = httpx.post(url, json=body)
+        _error(unauthenticated, 401, None, "authentication_error")
+        assert unauthenticated.headers["WWW-Authenticate"].startswith("Bearer")  # RFC 6750
         _error(httpx.post(url, json=body, headers={"Authorization": "Basic s3cret"}), 401, None,
                "authentication_error")
         _error(httpx.post(url, json=body, headers={"Authorization": "Bearer s3cre"}), 401, None,

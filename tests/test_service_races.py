@@ -180,7 +180,7 @@ def test_a_prompt_beyond_the_models_positions_is_refused_by_the_front(model_dir)
             with worker_paused(c):  # a prompt sent on to the worker would time out here
                 with pytest.raises(InvalidArgument) as info:
                     c.submit([1] * MAX_POSITIONS, max_new_tokens=1, timeout=5)
-            assert info.value.field == "max_new_tokens"
+            assert info.value.field == "token_ids"  # the prompt alone leaves no room for a token
             assert f"= {MAX_POSITIONS + 1} exceeds the model's {MAX_POSITIONS} positions" in str(info.value)
             assert c.info().num_unfinished == 0
 

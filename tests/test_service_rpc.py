@@ -491,13 +491,13 @@ def test_a_duplicate_reported_by_the_engine_is_already_exists():
 
 
 def test_stop_string_limits_are_inclusive():
-    from qil_worker.service.errors import ServiceError
-    from qil_worker.service.requests import submit_args
-    ok = submit_args(pb.SubmitRequest(token_ids=[1], stop_strings=["a"] * 15 + ["b" * 256]))
-    assert len(ok.options["stop_strings"]) == 16
+    # the one check both fronts and the engine make (qil_worker.request_limits)
+    from qil_worker.errors import InvalidRequestError
+    from qil_worker.request_limits import check_stop_strings
+    assert len(check_stop_strings(["a"] * 15 + ["b" * 256])) == 16
     for bad in (["a"] * 17, ["b" * 257], [""]):
-        with pytest.raises(ServiceError) as exc:
-            submit_args(pb.SubmitRequest(token_ids=[1], stop_strings=bad))
+        with pytest.raises(InvalidRequestError) as exc:
+            check_stop_strings(bad)
         assert exc.value.field == "stop_strings"
 
 

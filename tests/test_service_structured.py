@@ -238,9 +238,9 @@ BIG_ENUM = json.dumps({"enum": ["v%06d" % i for i in range(12000)]})  # over 100
         (dict(choice=["x" * 1025]), "choice", "at most 1024"),
         # a long prompt that cannot fit is refused before its constraint is compiled: from its
         # size, by the front (#20; this model's 512 positions hold no prompt long enough to be
-        # encoded on the worker's thread)
-        (dict(text="hello " * 4000, regex="([a-z"), "max_new_tokens", "prompt (at least"),
-        (dict(text="hello " * 4000, choice=["a", "b"]), "max_new_tokens", "positions"),
+        # encoded on the worker's thread), blaming the prompt, which alone cannot fit
+        (dict(text="hello " * 4000, regex="([a-z"), "text", "prompt (at least"),
+        (dict(text="hello " * 4000, choice=["a", "b"]), "text", "positions"),
     ],
 )
 def test_bad_constraints_are_invalid_argument_naming_the_field(client, kwargs, field, says):

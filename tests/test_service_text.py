@@ -292,7 +292,7 @@ def test_an_empty_chat_is_refused_naming_messages(client):
         (dict(token_ids=[1, 2]), "text"),  # two prompts
         (dict(messages=[("user", "hi")]), "messages"),
         # tokenized on the worker's encoding thread (long), then refused as any other
-        (dict(text="hello " * 4000), "max_new_tokens"),
+        (dict(text="hello " * 4000), "text"),  # the prompt alone cannot fit
         (dict(text=None, messages=[{"role": "robot", "content": "hi " * 6000}]), "messages[0]"),
     ],
 )

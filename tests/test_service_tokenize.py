@@ -40,7 +40,8 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory):
-    return make_text_checkpoint(tmp_path_factory.mktemp("svc-tokenize"))
+    # room for the long texts below: a Tokenize of more tokens than the model's positions is refused
+    return make_text_checkpoint(tmp_path_factory.mktemp("svc-tokenize"), max_position_embeddings=32768)
 
 
 @pytest.fixture(scope="module")

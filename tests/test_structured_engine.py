@@ -507,7 +507,7 @@ def _deep_schema(depth: int) -> dict:
         (dict(json_schema={"type": "integer", "minimum": 10, "maximum": 1}), "json_schema", "minimum"),
         (dict(json_schema={"allOf": [{"type": "string"}, {"type": "integer"}]}), "json_schema", "Unsatisfiable"),
         (dict(json_schema={"$ref": "#/$defs/missing"}), "json_schema", "missing"),
-        (dict(json_schema=_deep_schema(200)), "json_schema", "recursion limit"),
+        (dict(json_schema=_deep_schema(200)), "json_schema", "nested deeper than 128 levels"),  # refused before compiling
         (dict(regex="([a-z"), "regex", "unclosed"),
         (dict(grammar='root ::= "a"'), "grammar", "GBNF converts with llguidance.gbnf_to_lark"),
         (dict(grammar="start: undefined_rule"), "grammar", "undefined_rule"),

@@ -39,6 +39,7 @@ from qil_worker.errors import (
 )
 from qil_worker.kv import KVCache, PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.model import Qwen3
+from qil_worker.request_limits import check_stop_strings
 from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.text.output import TextOutput
@@ -276,21 +277,21 @@ class Engine:
         and result then carries its ``sample_index`` (see ``qil_worker.engine.samples``).
         """
         self._check_open()
+        prompt_field = "token_ids"
         if text is not None or messages is not None:
             if token_ids is not None:
                 raise InvalidRequestError("prompt", "give token ids, text or messages, not several")
             token_ids = encode_prompt(self.tokenizer, text, messages, enable_thinking)
+            prompt_field = "messages" if messages is not None else "text"
         if stop_strings and self.tokenizer is None:
             raise TokenizerUnavailableError(
                 "stop strings need a tokenizer; this engine has none", field="stop_strings"
             )
-        if stop_strings is not None and (
-            isinstance(stop_strings, str) or not all(isinstance(x, str) and x for x in stop_strings)
-        ):
-            raise InvalidRequestError("stop_strings", "must be a list of non-empty strings")
+        if stop_strings is not None:
+            stop_strings = check_stop_strings(stop_strings)
         prompt, stops = validate_submit(
             token_ids, max_new_tokens, stop_token_ids, request_id,
-            self.model.config, self.pool.total, self.page_size,
+            self.model.config, self.pool.total, self.page_size, prompt_field,
         )
         if sampling is None:
             sampling = SamplingParams.from_kwargs(**sampling_fields)

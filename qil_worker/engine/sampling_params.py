@@ -8,12 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from qil_worker.errors import InvalidRequestError
+from qil_worker.request_limits import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_TOP_LOGPROBS, check_count
 
-MAX_TOP_LOGPROBS = 20
-# At most this many samples per request (``n``): they all run at once after the fork, so they
-# take as many of ``max_active``'s slots (64 by default), and a request's events and results
-# grow with it. (Here, not in ``samples``, so that the torch-free front can read the limits.)
-MAX_SAMPLES = 64
 # The sampler works in float32. A temperature under GREEDY_BELOW would divide logits out of the
 # range where softmax means anything (1e-40 already gave NaN rows and the last token id), so
 # it is greedy decoding, its limit. Temperatures and repetition penalties past these bounds
@@ -21,11 +17,9 @@ MAX_SAMPLES = 64
 GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
-# logit_bias: OpenAI's range and count. ±100 already bans or forces a token against any logit a
-# sane model produces, so nothing past it is needed; the count bounds what the sampler gathers
-# on the host for every biased row in every step (a grammar is the tool for larger token sets).
+# logit_bias: OpenAI's range. ±100 already bans or forces a token against any logit a sane model
+# produces, so nothing past it is needed (the count: ``request_limits``).
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
-MAX_LOGIT_BIAS = 300
 
 
 @dataclass(frozen=True)
@@ -85,6 +79,11 @@ class SamplingParams:
             raise InvalidRequestError(unknown[0], "unknown sampling parameter")
         return cls(**kwargs)  # type: ignore[arg-type]
 
+    @classmethod
+    def picked(cls, options: Mapping[str, object]) -> "SamplingParams":
+        """The sampling fields among a submit's keyword ``options`` (the others are not its)."""
+        return cls(**{name: value for name, value in options.items() if name in _FIELDS})  # type: ignore[arg-type]
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
@@ -126,8 +125,7 @@ class SamplingParams:
         bias = self.logit_bias
         if not isinstance(bias, tuple):
             raise InvalidRequestError("logit_bias", f"must map token ids to biases, got {bias!r}")
-        if len(bias) > MAX_LOGIT_BIAS:
-            raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+        check_count("logit_bias", len(bias), MAX_LOGIT_BIAS, "token ids")
         low, high = LOGIT_BIAS_RANGE
         previous = None
         for pair in bias:  # sorted by id (``__post_init__``), so a repeated id is adjacent
@@ -161,6 +159,9 @@ def _number(
             "]" if high is not None else ")"
         )
         raise InvalidRequestError(field, f"must be in {bound}, got {value!r}")
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 def _integer(field: str, value: object, low: int, high: int | None = None) -> None:

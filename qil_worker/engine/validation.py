@@ -8,8 +8,7 @@ from collections.abc import Sequence
 from qil_worker.config import Qwen3Config
 from qil_worker.errors import CapacityError, InvalidRequestError
 from qil_worker.kv.page_table import pages_for
-
-MAX_REQUEST_ID_LENGTH = 128
+from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH
 
 
 def token_list(field: str, values: Sequence[int], vocab_size: int) -> list[int]:
@@ -34,8 +33,10 @@ def validate_submit(
     config: Qwen3Config,
     num_pages: int,
     page_size: int,
+    prompt_field: str = "token_ids",
 ) -> tuple[list[int], list[int]]:
-    """Return the prompt and stop ids as lists, or raise ``InvalidRequestError``/``CapacityError``."""
+    """Return the prompt and stop ids as lists, or raise ``InvalidRequestError``/``CapacityError``
+    (naming ``prompt_field``, the prompt's form, when the prompt alone cannot fit)."""
     if request_id is not None and (
         not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH
     ):
@@ -50,12 +51,12 @@ def validate_submit(
     stops = token_list("stop_token_ids", stop_token_ids or [], config.vocab_size)
     total = len(prompt) + max_new_tokens
     if total > config.max_position_embeddings:
-        raise CapacityError.positions(len(prompt), max_new_tokens, config.max_position_embeddings)
+        raise CapacityError.positions(len(prompt), max_new_tokens, config.max_position_embeddings, prompt_field)
     # The last generated token is never fed back, so it needs no KV slot.
     needed = pages_for(total - 1, page_size)
     if needed > num_pages:
         raise CapacityError(
-            "max_new_tokens",
+            prompt_field if pages_for(len(prompt), page_size) > num_pages else "max_new_tokens",
             f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) needs {needed} KV pages "
             f"but the whole pool has {num_pages} (page size {page_size})",
         )

@@ -166,6 +166,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--http-host", default=None, help="address of the HTTP API (default: --host)")
     p.add_argument(
+        "--http-max-connections", type=positive_int, default=limits.HTTP_MAX_CONNECTIONS, metavar="N",
+        help="HTTP connections held at once, at most half of the descriptor limit (ulimit -n) less the listen backlog; one "
+        "more is answered 503 and closed",
+    )
+    p.add_argument(
+        "--http-header-timeout", type=_positive_seconds, default=limits.HTTP_HEADER_TIMEOUT_S, metavar="S",
+        help="an HTTP connection that has not sent a request's line and headers within S seconds "
+        "(of its connect, or of the next request's first byte) is closed",
+    )
+    p.add_argument(
+        "--http-keepalive-timeout", type=_positive_seconds, default=limits.HTTP_KEEPALIVE_TIMEOUT_S,
+        metavar="S", help="an idle kept-alive HTTP connection is closed after S seconds",
+    )
+    p.add_argument(
         "--served-model-name", default=None,
         help="the model's name in the HTTP API (default: the model directory's name; qil-demo "
         "for the embedded demo)",
@@ -215,6 +229,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -240,6 +264,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         metrics_host=args.metrics_host,
         http_port=args.http_port,
         http_host=args.http_host,
+        http_max_connections=args.http_max_connections,
+        http_header_timeout=args.http_header_timeout,
+        http_keepalive_timeout=args.http_keepalive_timeout,
         served_model_name=args.served_model_name,
         front=FrontConfig(
             model=args.model,

@@ -130,14 +130,15 @@ def http_status(err: ServiceError) -> int:
 
 def openai_error(err: ServiceError) -> dict:
     """The body of an error answer in the OpenAI API's shape: ``{"error": {"message", "type",
-    "param", "code"}}``; ``param`` names the request's parameter at fault, ``code`` is the
-    gRPC status name (or the API's own code: ``model_not_found``)."""
+    "param", "code"}}``; ``param`` names the request's parameter at fault, and the message
+    starts with it too (SDKs show callers the message alone); ``code`` is the gRPC status name
+    (or the API's own code: ``model_not_found``)."""
     if isinstance(err, HttpError):
         kind, code = err.error_type, err.error_code
     else:
         kind = _CODE_TO_HTTP.get(err.code, (500, "internal_error"))[1]
         code = err.code.name.lower()
-    return {"error": {"message": err.message, "type": kind, "param": err.field, "code": code}}
+    return {"error": {"message": err.details, "type": kind, "param": err.field, "code": code}}
 
 
 def unknown_model(name: str, served: str) -> HttpError:

@@ -16,7 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from qil_worker.errors import CapacityError
+from qil_worker.engine.sampling_params import SamplingParams  # torch-free
+from qil_worker.errors import CapacityError, InvalidRequestError
+from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH, check_stop_strings
 from qil_worker.service import limits
 from qil_worker.service import protocol as P
 from qil_worker.service.calls_in_flight import CallsInFlight
@@ -35,7 +37,7 @@ from qil_worker.service.requests_in_flight import RequestsInFlight
 from qil_worker.service.supervisor import RestartPolicy, WorkerSupervisor
 from qil_worker.service.worker_process import WorkerState
 from qil_worker.freed_memory import OUTSIZED_CHARS, map_large_blocks, release_outsized
-from qil_worker.service.tokenizer_calls import prompt_chars
+from qil_worker.service.tokenizer_calls import prompt_chars, prompt_field, tokenize_refusal
 from qil_worker.text.prompt import ROLES, PromptRoom, PromptTooLong
 from qil_worker.text.tokenizer import min_tokens
 
@@ -259,7 +261,9 @@ class Front:
             too_long = CapacityError.positions(num_ids, max_new_tokens, max_positions)
             raise from_worker_rejection(*classify_engine_error(too_long))
 
-    def _refuse_text_too_long(self, bound_of: Callable[[int, str | None], int], max_new_tokens: int) -> None:
+    def _refuse_text_too_long(
+        self, bound_of: Callable[[int, str | None], int], max_new_tokens: int, prompt_field: str
+    ) -> None:
         """Refuse, as the worker would, a text or chat prompt whose size alone shows that it
         cannot fit (``bound_of(max_token_bytes, normal_form)``, a bound on its tokens): a
         prompt of megabytes is not shipped to the worker (nor pickled) only to be refused there."""
@@ -270,19 +274,36 @@ class Front:
             return
         bound = bound_of(info.max_token_bytes, info.normal_form)
         if bound > limit:  # (raised from a frame that does not hold the text)
-            too_long = room.refusal(PromptTooLong(bound, exact=False), max_new_tokens)
+            too_long = room.refusal(PromptTooLong(bound, exact=False), max_new_tokens, prompt_field)
             raise from_worker_rejection(*classify_engine_error(too_long))
 
-    def refuse_unfit(self, request_id: str, max_new_tokens: int, prompt: PromptSize) -> None:
+    def _check_contents(self, max_new_tokens: int, options: dict[str, Any]) -> None:
+        """Refuse, by the engine's own rules, the counts and values of a request before anything
+        is made from them (a record per sample, say: ``n`` may be 4294967295 on the wire), so
+        that both fronts refuse what the engine would, naming the same field."""
+        try:
+            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+                raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {max_new_tokens!r}")
+            if options.get("stop_strings") is not None:
+                check_stop_strings(options["stop_strings"])
+            vocab_size = self.info.vocab_size if self.info is not None else None
+            SamplingParams.picked(options).validate(max_new_tokens, vocab_size=vocab_size)
+        except InvalidRequestError as exc:
+            raise from_worker_rejection(*classify_engine_error(exc)) from None
+
+    def refuse_unfit(
+        self, request_id: str, max_new_tokens: int, prompt: PromptSize, options: dict[str, Any]
+    ) -> None:
         """For a request known, before its prompt is decoded, by its prompt's size
         (``outsized_submit``): raise what ``submit`` would raise for it before reaching the
         worker when that size alone refuses it; return when it does not (the caller then
         parses the request whole and submits it)."""
         self._admit(request_id)
+        self._check_contents(max_new_tokens, options)
         if prompt.given == ["token_ids"]:
             self._refuse_too_many_ids(prompt.num_token_ids, int(max_new_tokens))
         elif self.info is not None:
-            self._refuse_text_too_long(prompt.min_tokens, int(max_new_tokens))
+            self._refuse_text_too_long(prompt.min_tokens, int(max_new_tokens), prompt.given[0])
 
     async def submit(
         self,
@@ -303,15 +324,16 @@ class Front:
         opts = options if options is not None else {}
         with _released_when_outsized(opts):
             rid = self._admit(request_id)
+            self._check_contents(max_new_tokens, opts)
             tokens = None if token_ids is None else list(token_ids)
             if tokens is not None:
                 self._refuse_too_many_ids(len(tokens), max_new_tokens)
             elif self.info is not None:
                 self._refuse_text_too_long(
                     lambda max_token_bytes, normal_form: _min_prompt_tokens(opts, max_token_bytes, normal_form),
-                    int(max_new_tokens),
+                    int(max_new_tokens), prompt_field(opts),
                 )
-            req, acked = self.requests.add(rid, len(tokens or ()), int(opts.get("n") or 1))
+            req, acked = self.requests.add(rid, len(tokens or ()), opts.get("n", 1))
             self.supervisor.send(P.Submit(rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(opts)))
             try:
                 ack = await acked
@@ -333,10 +355,8 @@ class Front:
 
     def _admit(self, request_id: str) -> str:
         """The checks of a submit that come before its prompt's; → the request's id."""
-        if len(request_id) > limits.MAX_REQUEST_ID_LENGTH:
-            raise invalid(
-                "request_id", f"at most {limits.MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}"
-            )
+        if len(request_id) > MAX_REQUEST_ID_LENGTH:
+            raise invalid("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}")
         if not request_id.isprintable():  # ids go into log lines: no line breaks or controls
             raise invalid("request_id", f"printable characters only, got {request_id!r}")
         self.check_accepting()
@@ -386,13 +406,33 @@ class Front:
     async def tokenize(
         self, text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None
     ) -> list[int]:
-        """The ids of a prompt as a submit of it would get them (both None: no tokens)."""
+        """The ids of a prompt as a submit of it would get them (both None: no tokens); a prompt
+        of more tokens than the model has positions is refused, as a submit of it would be, and
+        from its size alone where that shows it (a text of megabytes is not shipped to the
+        worker only to be refused there)."""
         try:
-            answer = await self._tokenizer_call(lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking))
+            max_tokens = self._tokenize_limit(text, messages)
+            answer = await self._tokenizer_call(
+                lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking, max_tokens)
+            )
         finally:
             if prompt_chars(text, messages) >= OUTSIZED_CHARS:
                 release_outsized_later()
         return answer.token_ids
+
+    def _tokenize_limit(self, text: str | None, messages: list[dict[str, str]] | None) -> int | None:
+        """The most tokens a Tokenize may give (None: unknown yet); raises when the prompt's size
+        alone exceeds it."""
+        info = self.info
+        if info is None or not info.max_position_embeddings:
+            return None
+        limit = info.max_position_embeddings
+        if info.max_token_bytes and (text is not None or messages is not None):
+            options = {"text": text, "messages": messages}
+            bound = _min_prompt_tokens(options, info.max_token_bytes, info.normal_form)
+            if bound > limit:
+                raise invalid(prompt_field(options), tokenize_refusal(bound, limit, exact=False))
+        return limit
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         try:

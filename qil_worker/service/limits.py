@@ -1,15 +1,11 @@
-"""Wire limits and channel options of the server (the client mirrors them)."""
+"""Wire limits and channel options of the server (the client mirrors them); the limits of one
+request's contents are ``qil_worker.request_limits``."""
 
 from __future__ import annotations
 
-MAX_REQUEST_ID_LENGTH = 128
 # A prompt of 1M token ids is ~5 MB on the wire; anything larger is refused by gRPC itself.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_NEW_TOKENS = 16
-# Stop strings of one request: the worker matches them against the text after every token, so
-# their number and length bound that per-token cost.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_LENGTH = 256
 # Finished requests kept for late subscribers: at most this many, for at most this long, and at
 # most this many token-equivalents in all (tokens, plus their top-logprob candidates), so that
 # long requests with logprobs cannot grow the front without bound (~2M ≈ a few hundred MB).
@@ -25,6 +21,22 @@ MAX_STREAM_BACKLOG = 4096
 # ...counted only once one write to that client has been pending this long (a reader that is
 # merely slow for a moment on a busy host is not cut off).
 STREAM_STALL_S = 1.0
+# The HTTP API's connections (http/connections.py). A client sending its request's line and
+# headers a byte at a time holds a descriptor for as long as the server waits: each connection
+# has this long to send them (from its connect, or from the first byte of the next request on
+# a kept-alive one)...
+HTTP_HEADER_TIMEOUT_S = 10.0
+# ...an idle kept-alive connection is closed after this long (aiohttp's keepalive_timeout;
+# its own default, an hour, lets idle clients pile up)...
+HTTP_KEEPALIVE_TIMEOUT_S = 15.0
+# ...and at most this many are held at once (one more is answered 503 and closed), at most half
+# the process's descriptor limit, so that gRPC, the worker's pipes and the logs keep theirs...
+HTTP_MAX_CONNECTIONS = 1000
+# ...less this listen backlog: asyncio accepts up to that many connections in one go before any
+# is handled (an over-cap one is closed only then), so they take descriptors on top of the held.
+HTTP_BACKLOG = 128
+# The loop's "out of system resource" accept error, logged at most once per this long.
+HTTP_ACCEPT_LOG_INTERVAL_S = 10.0
 
 MAX_CONNECTION_AGE_MS = 10 * 60 * 1000
 

@@ -15,8 +15,8 @@ loop waits on one set of futures. A call's answer needs no cancel: the front dro
 caller is gone.
 
 A prompt that cannot fit (the model's positions or the whole KV pool, less ``max_new_tokens``)
-is refused as soon as that is certain (``prompt.encode_text``), not after encoding all of it; a
-Tokenize has no such limit and gets every id.
+is refused as soon as that is certain (``prompt.encode_text``), not after encoding all of it; so
+is a Tokenize of more tokens than the model's positions.
 
 The thread and the waiting submits are ``beside_loop``'s.
 """
@@ -30,7 +30,7 @@ from typing import Any, Callable
 from qil_worker.freed_memory import OUTSIZED_CHARS
 from qil_worker.service.beside_loop import SideThread, WaitingSubmits, wait_any
 from qil_worker.service.protocol import Detokenize, Submit, Tokenize
-from qil_worker.service.tokenizer_calls import INLINE_IDS, prompt_chars
+from qil_worker.service.tokenizer_calls import INLINE_IDS, prompt_chars, prompt_field
 from qil_worker.text.prompt import PromptRoom, PromptTooLong, encode_prompt
 
 PROMPT_OPTIONS = ("text", "messages", "enable_thinking")  # consumed by encoding
@@ -43,7 +43,7 @@ def encode_within(tokenizer: Any, options: dict[str, Any], max_new_tokens: int, 
         return encode_prompt(tokenizer, options.get("text"), options.get("messages"),
                              options.get("enable_thinking"), room.max_prompt(max_new_tokens))
     except PromptTooLong as too_long:
-        raise room.refusal(too_long, max_new_tokens) from None
+        raise room.refusal(too_long, max_new_tokens, prompt_field(options)) from None
 
 
 class PromptEncoder:

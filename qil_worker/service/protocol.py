@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -170,6 +170,9 @@ class WorkerInfo:
     # the formats the weights run in and the bytes they hold (``Qwen3.weight_summary``)
     weight_format: str = ""
     weight_bytes: int = 0
+    # the tokenizer's class, special tokens and chat template (``text.tokenizer.tokenizer_summary``;
+    # empty without a tokenizer)
+    tokenizer_summary: dict = field(default_factory=dict)
 
 
 @message
@@ -317,12 +320,15 @@ def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list
 @message
 class Tokenize:
     """Encode ``text`` or chat ``messages`` as a ``Submit``'s prompt would be; ``call_id`` keys
-    the answer (``Tokenized``) in the front. Both None: the empty prompt, zero tokens."""
+    the answer (``Tokenized``) in the front. Both None: the empty prompt, zero tokens.
+    ``max_tokens``: refuse a longer prompt as soon as that is certain (the model's positions:
+    no request could carry it); None: no limit."""
 
     call_id: int
     text: str | None
     messages: list[dict[str, str]] | None
     enable_thinking: bool | None
+    max_tokens: int | None = None
 
 
 @message

@@ -1,9 +1,10 @@
 """A ``SubmitRequest`` → the arguments of ``Engine.submit`` (front side, torch-free).
 
 Only what the wire format itself cannot say is checked here (which prompt form, proto3 presence,
-limits that protect the worker, a constraint's size); every value range is checked once, by the
-engine, whose ``InvalidRequestError.field`` uses the same names as the proto fields and reaches
-the caller through ``errors.classify_engine_error``.
+a constraint's size); every count and value range is checked by the engine's rules in
+``Front.submit`` before anything is made from them (and by the engine), whose
+``InvalidRequestError.field`` uses the same names as the proto fields and reaches the caller
+through ``errors.classify_engine_error``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client.options import NAMES as OPTION_NAMES
-from qil_worker.engine.sampling_params import MAX_LOGIT_BIAS
 from qil_worker.errors import InvalidRequestError
 from qil_worker.service import limits
 from qil_worker.service.errors import ServiceError, invalid
@@ -62,23 +62,10 @@ def submit_args(request: pb.SubmitRequest, prompt: PromptSize | None = None) -> 
         options["text"] = text
     elif prompt is None:
         options["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
-    stops = list(request.stop_strings)
-    if stops:
-        if len(stops) > limits.MAX_STOP_STRINGS:
-            raise invalid("stop_strings", f"at most {limits.MAX_STOP_STRINGS}, got {len(stops)}")
-        for s in stops:
-            if not s or len(s) > limits.MAX_STOP_STRING_LENGTH:
-                raise invalid(
-                    "stop_strings",
-                    f"each must have 1 to {limits.MAX_STOP_STRING_LENGTH} characters, got {len(s)}",
-                )
-        options["stop_strings"] = stops
+    if request.stop_strings:
+        options["stop_strings"] = list(request.stop_strings)
     if request.logit_bias:
-        # the count here too, before the map crosses to the worker; ids and values are the engine's
-        bias = dict(request.logit_bias)
-        if len(bias) > MAX_LOGIT_BIAS:
-            raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
-        options["logit_bias"] = bias
+        options["logit_bias"] = dict(request.logit_bias)
     options.update(_constraint(request))
     for name in OPTION_NAMES:  # Engine.submit takes each under its proto name
         if request.HasField(name):
@@ -109,7 +96,7 @@ def refuse_unfit(front: "Front", request: OutsizedSubmit) -> None:
     return when they do not: parse it whole (``request.whole()``) and submit that."""
     try:
         args = submit_args(request.rest, request.prompt)
-        front.refuse_unfit(args.request_id, args.max_new_tokens, request.prompt)
+        front.refuse_unfit(args.request_id, args.max_new_tokens, request.prompt, args.options)
     except ServiceError:
         request.drop()
         release_outsized_later()

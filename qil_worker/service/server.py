@@ -44,6 +44,9 @@ class ServeConfig:
     metrics_host: str | None = None  # default: host
     http_port: int | None = None  # the OpenAI-compatible HTTP API on this port (None: off)
     http_host: str | None = None  # default: host
+    http_max_connections: int = limits.HTTP_MAX_CONNECTIONS  # clamped under RLIMIT_NOFILE (connection_cap)
+    http_header_timeout: float = limits.HTTP_HEADER_TIMEOUT_S  # seconds for a request's line and headers
+    http_keepalive_timeout: float = limits.HTTP_KEEPALIVE_TIMEOUT_S  # an idle kept-alive connection's seconds
     served_model_name: str | None = None  # the model's name in the HTTP API (default: its directory's)
 
 
@@ -161,9 +164,14 @@ class Server:
             metrics=self.metrics,
         )
         # an IPv6 --host is written [::1] for gRPC; the HTTP server wants it bare
-        self.http = HttpSite(ctx, (cfg.http_host or cfg.host).strip("[]"), cfg.http_port)
+        self.http = HttpSite(ctx, (cfg.http_host or cfg.host).strip("[]"), cfg.http_port,
+                             max_connections=cfg.http_max_connections,
+                             header_timeout_s=cfg.http_header_timeout,
+                             keepalive_timeout_s=cfg.http_keepalive_timeout)
         self.http_port = await self.http.start()
-        log.info("OpenAI-compatible HTTP API on %s:%d", self.http.host, self.http_port)
+        log.info("OpenAI-compatible HTTP API on %s:%d (at most %d connections; %gs for a request's "
+                 "headers, %gs idle keep-alive)", self.http.host, self.http_port,
+                 self.http.connections.limit, cfg.http_header_timeout, cfg.http_keepalive_timeout)
 
     async def shutdown(self) -> None:
         """NOT_SERVING, stop accepting, grace period (gRPC and HTTP calls alike), cancel the rest,

@@ -11,6 +11,7 @@ import grpc
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_worker.service import limits
+from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH
 from qil_worker.service.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted, unavailable
 from qil_worker.service.front import Front
@@ -145,7 +146,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         info = front.info
         model, engine_limits = _configured(front) if info is None else _described(info)
         engine_limits.max_queued = front.config.max_queued
-        engine_limits.max_request_id_length = limits.MAX_REQUEST_ID_LENGTH
+        engine_limits.max_request_id_length = MAX_REQUEST_ID_LENGTH
         return pb.GetInfoResponse(
             model=model,
             limits=engine_limits,

@@ -13,7 +13,7 @@ from typing import Any
 from qil_worker.errors import InvalidRequestError, TokenizerUnavailableError
 from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
-from qil_worker.text.prompt import encode_prompt
+from qil_worker.text.prompt import PromptTooLong, encode_prompt
 
 INLINE_IDS = 4096  # detokenizing up to this many ids (a few ms) stays in the step loop
 
@@ -27,6 +27,17 @@ def prompt_chars(text: str | None, messages: list[dict[str, Any]] | None) -> int
     return 0
 
 
+def prompt_field(options: dict[str, Any]) -> str:
+    """The field a submit's text or chat prompt came in."""
+    return "messages" if options.get("messages") is not None else "text"
+
+
+def tokenize_refusal(num_tokens: int, max_tokens: int, exact: bool) -> str:
+    """Why a Tokenize of ``num_tokens`` tokens (a lower bound unless ``exact``) is refused."""
+    count = f"{num_tokens}" if exact else f"at least {num_tokens}"
+    return f"{count} tokens, more than the model's {max_tokens} positions: no request could carry it"
+
+
 def tokenize(tokenizer: Any, call: P.Tokenize) -> P.Tokenized:
     """The ids a ``Submit`` of the same prompt would get (``encode_prompt``, the same code)."""
     try:
@@ -35,7 +46,13 @@ def tokenize(tokenizer: Any, call: P.Tokenize) -> P.Tokenized:
             raise TokenizerUnavailableError("this server has no tokenizer", field=field)
         if call.text is None and call.messages is None:
             return P.Tokenized(call.call_id, [])  # the empty prompt (a Submit refuses it)
-        ids = encode_prompt(tokenizer, call.text, call.messages, call.enable_thinking)
+        try:
+            ids = encode_prompt(tokenizer, call.text, call.messages, call.enable_thinking, call.max_tokens)
+        except PromptTooLong as too_long:
+            assert call.max_tokens is not None
+            field = "messages" if call.messages is not None else "text"
+            message = tokenize_refusal(too_long.at_least, call.max_tokens, too_long.exact)
+            raise InvalidRequestError(field, message) from None
         return P.Tokenized(call.call_id, ids)
     except Exception as exc:  # noqa: BLE001 - every failure is the caller's answer
         return P.Tokenized(call.call_id, None, P.Rejection(*classify_engine_error(exc)))

@@ -97,7 +97,7 @@ def _load(config: dict[str, Any]):
     from qil_worker.engine import Engine
     from qil_worker.engine.memory import size_pool
     from qil_worker.model import Qwen3
-    from qil_worker.text.tokenizer import EncodingTraits, encoding_traits
+    from qil_worker.text.tokenizer import EncodingTraits, encoding_traits, tokenizer_summary
 
     configure_process(config.get("device", "cpu"))  # before the model: the first oneDNN call fixes them
     if config.get("threads"):
@@ -174,6 +174,7 @@ def _load(config: dict[str, Any]):
         normal_form=traits.normal_form,
         weight_format=weight_format,
         weight_bytes=weight_bytes,
+        tokenizer_summary={} if tokenizer is None else tokenizer_summary(tokenizer, cfg.max_position_embeddings),
     )
     log.info(
         "model %s loaded and warm in %.2fs: dtype %s, device %s, weights %s (%s); %d KV pages (%s); memory: %s; "

@@ -53,6 +53,28 @@ def _start_with_big_stack(target: Any) -> threading.Thread:
     return thread
 
 
+# The matcher's stop reasons, which it gives as the whole error when a grammar is refused before
+# its first token (with the parser's state, here not verbose: "<non-verbose/>") → what they mean.
+STOP_REASONS = {
+    "NoExtensionBias": "no output can match it (a schema that only refers to itself, say)",
+    "NoExtension": "no output can match it",
+    "LexerTooComplex": "it is too complex: building its lexer exceeds the server's limits",
+    "ParserTooComplex": "it is too complex: parsing it exceeds the server's limits",
+    "InternalError": "the grammar library failed on it",
+}
+
+
+def plain_message(message: str) -> str:
+    """The grammar library's refusal in words a caller can act on: its stop reasons named,
+    its parser-state placeholder dropped."""
+    head, _, rest = message.partition("\n")
+    rest = rest.replace("<non-verbose/>", "").strip()
+    meaning = STOP_REASONS.get(head.strip())
+    if meaning is None:
+        return message.replace("<non-verbose/>", "").strip()
+    return f"{meaning}{f' ({rest})' if rest else ''}"
+
+
 class CompileTimeout(InvalidRequestError):
     """A constraint took longer than the compile time limit."""
 
@@ -175,7 +197,7 @@ class GrammarCompiler:
             return CompileTimeout(spec.kind, f"the constraint did not compile within {self._timeout:g} s")
         matcher = outcome.get("matcher")
         if matcher is None or matcher.is_error():
-            message = (outcome.get("error") or matcher.get_error()).strip()
+            message = plain_message((outcome.get("error") or matcher.get_error()).strip())
             if spec.kind == "grammar" and "::=" in spec.value:
                 message += f" ({GBNF_HINT})"
             return InvalidRequestError(spec.kind, message)

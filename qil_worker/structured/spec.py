@@ -7,14 +7,9 @@ import json
 from dataclasses import dataclass
 
 from qil_worker.errors import InvalidRequestError
+from qil_worker.request_limits import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CONSTRAINT_CHARS, json_fault
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
-
-# Size limits on what a caller may send, checked before anything is compiled: the library's own
-# limits (qil_worker.structured.compiler) bound the work, these bound the text it starts from.
-MAX_CONSTRAINT_CHARS = 100_000  # a schema, regex or grammar; also all choices together
-MAX_CHOICES = 1024
-MAX_CHOICE_CHARS = 1024  # one choice
 
 
 @dataclass(frozen=True)
@@ -76,6 +71,7 @@ def _normalised(kind: str, value: object) -> str | tuple[str, ...] | bool:
 
 def _schema_text(value: object) -> str:
     if isinstance(value, dict):
+        _check_json(value)
         try:
             # in its own key order, not sorted: properties are generated in the schema's order
             text = json.dumps(value, allow_nan=False)
@@ -95,7 +91,16 @@ def _schema_text(value: object) -> str:
             raise InvalidRequestError("json_schema", f"not valid JSON: {exc}") from None
         if not isinstance(parsed, dict):
             raise InvalidRequestError("json_schema", f"must be a JSON object, got {type(parsed).__name__}")
+        _check_json(parsed)
     return text
+
+
+def _check_json(schema: dict) -> None:
+    """Nesting the compiler's recursion could not take, or text that is not Unicode."""
+    fault = json_fault(schema)
+    if fault is not None:
+        path, what = fault
+        raise InvalidRequestError("json_schema", f"{path}: {what}" if path else what)
 
 
 def _choices(value: object) -> tuple[str, ...]:

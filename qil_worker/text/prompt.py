@@ -55,22 +55,26 @@ class PromptRoom:
             room.append(self.num_pages * self.page_size + 1 - max_new_tokens)  # the last token needs no slot
         return max(0, min(room)) if room else None
 
-    def refusal(self, too_long: PromptTooLong, max_new_tokens: int) -> CapacityError:
-        """The engine's refusal of a prompt known to have at least ``too_long.at_least`` tokens."""
+    def refusal(self, too_long: PromptTooLong, max_new_tokens: int, prompt_field: str) -> CapacityError:
+        """The engine's refusal of a prompt known to have at least ``too_long.at_least`` tokens,
+        blaming the prompt's field (``prompt_field``: text or messages) when the prompt alone
+        cannot fit, else max_new_tokens."""
         n = too_long.at_least
         prompt = f"{n}" if too_long.exact else f"at least {n} tokens"
         total = n + max_new_tokens
+        alone = self.max_prompt(1)
+        field = prompt_field if alone is not None and n > alone else "max_new_tokens"
         if self.max_positions and total > self.max_positions:
             if too_long.exact:
-                return CapacityError.positions(n, max_new_tokens, self.max_positions)
+                return CapacityError.positions(n, max_new_tokens, self.max_positions, prompt_field)
             return CapacityError(
-                "max_new_tokens",
+                field,
                 f"prompt ({prompt}) + max_new_tokens ({max_new_tokens}) = at least {total} exceeds "
                 f"the model's {self.max_positions} positions",
             )
         needed = -(-(total - 1) // self.page_size)  # kv.page_table.pages_for, torch-free
         return CapacityError(
-            "max_new_tokens",
+            field,
             f"prompt ({prompt}) + max_new_tokens ({max_new_tokens}) needs {'' if too_long.exact else 'at least '}"
             f"{needed} KV pages but the whole pool has {self.num_pages} (page size {self.page_size})",
         )
@@ -118,6 +122,28 @@ def encode_text(tokenizer: Any, text: str, max_tokens: int | None = None) -> lis
     return ids
 
 
+DOCUMENT_SEPARATOR = "<|endoftext|>"  # Qwen's (and GPT-2's) token between training documents
+
+
+def document_start(tokenizer: Any) -> int:
+    """The one-token prompt an empty text stands for: what the model saw before a document in
+    training (its BOS, else ``<|endoftext|>``, else its EOS), so that it generates as from the
+    start of a new document, as the OpenAI API does for an empty prompt."""
+    for token_id in (getattr(tokenizer, "bos_token_id", None),
+                     _known_id(tokenizer, DOCUMENT_SEPARATOR),
+                     getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(token_id, int):
+            return token_id
+    raise InvalidRequestError("text", "is empty, and this tokenizer has no BOS or EOS token to start a document")
+
+
+def _known_id(tokenizer: Any, token: str) -> int | None:
+    """The id of ``token`` when the tokenizer has it as one token."""
+    ids = tokenizer.convert_tokens_to_ids([token])
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    return ids[0] if ids and ids[0] is not None and ids[0] != unknown else None
+
+
 def encode_prompt(
     tokenizer: Any,
     text: str | None = None,
@@ -138,8 +164,10 @@ def encode_prompt(
     if (text is None) == (messages is None):
         raise InvalidRequestError("prompt", "give exactly one of text or messages")
     if text is not None:
-        if not isinstance(text, str) or not text:
-            raise InvalidRequestError("text", "must be a non-empty string")
+        if not isinstance(text, str):
+            raise InvalidRequestError("text", "must be a string")
+        if not text:
+            return [document_start(tokenizer)]
         return encode_text(tokenizer, text, max_tokens)
     if not messages:
         raise InvalidRequestError("messages", "must hold at least one message")

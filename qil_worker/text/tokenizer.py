@@ -36,6 +36,19 @@ def load_tokenizer(path: str | Path) -> Any:
         raise TokenizerUnavailableError(f"could not load the tokenizer of {path}: {exc}") from None
 
 
+def tokenizer_summary(tokenizer: Any, max_positions: int) -> dict[str, Any]:
+    """What a remote user of the tokenizer needs to know of it (the answer of vLLM's
+    ``/tokenizer_info``, which lm-eval's remote tokenizer reads): its class, its special tokens
+    and its chat template."""
+    summary: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": max_positions}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = getattr(tokenizer, name, None)
+        summary[name] = token if isinstance(token, str) else None
+    template = getattr(tokenizer, "chat_template", None)
+    summary["chat_template"] = template if isinstance(template, str) else None
+    return summary
+
+
 # Pre-tokenizer regexes under which a text split before a space or after a newline, each between
 # two non-space characters (``prompt.piece_ends``), pre-tokenizes into the same pieces as the
 # whole text: no match crosses such a boundary, and none depends on what precedes it.

@@ -5,24 +5,20 @@ choice looks."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from qil_worker.service.errors import ServiceError, http_status, invalid, openai_error, unknown_model
+from qil_worker.service.errors import ServiceError, http_status, openai_error, unknown_model
 from qil_worker.service.front_request import FrontRequest, SampleEnd
+from qil_worker.service.http.body import read_body
 from qil_worker.service.http.choices import Choices, request_failure, submit_all
-from qil_worker.service.http.params import CallParams, param_of
+from qil_worker.service.http.params import CallParams
 from qil_worker.service.http.shapes import by_sample, created, ids_for_strings, new_id, sample_end, usage
 from qil_worker.service.http.sse import ChunkFrame, EventStream, dumps
 
 if TYPE_CHECKING:
     from qil_worker.service.http.site import HttpContext
-
-# a body not received within this long ends the call (a client trickling bytes holds a handler)
-BODY_TIMEOUT_S = 60.0
 
 
 class Endpoint(Protocol):
@@ -41,31 +37,17 @@ class Endpoint(Protocol):
     def opening_chunks(self, state: Any, count: int) -> list[dict]: ...
 
     def chunk_choice(self, state: Any, index: int, req: FrontRequest, positions: list[int],
-                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict:
+                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict | None:
         """The choice part of a chunk: the tokens at log ``positions`` of one sample, and its
-        ``end`` when it ended."""
+        ``end`` when it ended; None when they say nothing (no text, logprobs or end): no chunk."""
 
     def full_choice(self, state: Any, index: int, req: FrontRequest, positions: list[int],
                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict: ...
 
 
-async def read_body(request: web.Request) -> dict:
-    try:
-        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise invalid("body", f"not received within {BODY_TIMEOUT_S:g}s") from None
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid("body", f"not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise invalid("body", "must be a JSON object")
-    return body
-
-
-def with_api_param(err: ServiceError, chat: bool) -> ServiceError:
+def with_api_param(err: ServiceError, params: CallParams, chat: bool) -> ServiceError:
     """The engine's field names (max_new_tokens...) → the API's (max_tokens...)."""
-    err.field = param_of(err.field, chat)
+    err.field = params.api_param(err.field, chat)
     return err
 
 
@@ -80,7 +62,7 @@ async def handle(ctx: "HttpContext", request: web.Request, endpoint: Endpoint) -
         state = await endpoint.prepare(ctx, params)
         reqs = await submit_all(front, params, call_id)
     except ServiceError as err:
-        raise with_api_param(err, endpoint.chat) from None
+        raise with_api_param(err, params, endpoint.chat) from None
     choices = Choices(front, reqs)
     head = {"id": call_id, "object": endpoint.object_name, "created": created(), "model": ctx.model_name}
     n = params.n
@@ -139,7 +121,8 @@ async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, 
             ended = {e.sample: e for e in ends}
             for j in sorted(positions.keys() | ended.keys()):
                 choice = endpoint.chunk_choice(state, r * n + j, req, positions.get(j, []), ended.get(j), strings)
-                await events.send_raw(frame.encode(choice))
+                if choice is not None:
+                    await events.send_raw(frame.encode(choice))
     except ServiceError as err:
         # the status line went out with the first chunk: the error is an event of the stream
         await events.send(openai_error(err))
@@ -152,5 +135,8 @@ async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, 
 
 
 def error_response(err: ServiceError) -> web.Response:
-    return web.json_response(openai_error(err), status=http_status(err), dumps=dumps)
+    status = http_status(err)
+    # RFC 6750: a 401 names the scheme that would authenticate
+    headers = {"WWW-Authenticate": 'Bearer realm="qil"'} if status == 401 else None
+    return web.json_response(openai_error(err), status=status, headers=headers, dumps=dumps)
 

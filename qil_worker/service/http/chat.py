@@ -53,11 +53,16 @@ class Chat:
                  "finish_reason": None} for i in range(count)]
 
     def chunk_choice(self, state: None, index: int, req: FrontRequest, positions: list[int],
-                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict:
+                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict | None:
         text = output_text(req, positions, end)
-        return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": chat_logprobs(req, positions, strings) if strings is not None else None,
-                "finish_reason": finish_reason(end)}
+        logprobs = chat_logprobs(req, positions, strings) if strings is not None else None
+        reason = finish_reason(end)
+        if not text and logprobs is None and reason is None and req.texts is not None:
+            # tokens that released no text yet (a held-back stop string, say); without a
+            # tokenizer, never: there each empty chunk says a token came
+            return None
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": reason}
 
     def full_choice(self, state: None, index: int, req: FrontRequest, positions: list[int],
                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict:

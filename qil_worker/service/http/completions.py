@@ -69,7 +69,7 @@ class Completions:
         return prompt_part(state.prompt_ids[index // state.n], req, {**state.prompt_strings, **strings})
 
     def chunk_choice(self, state: CompletionState, index: int, req: FrontRequest, positions: list[int],
-                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict:
+                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict | None:
         first = index not in state.sent
         prefix = self._echo(state, index) if first else ""
         if state.hide_output:
@@ -81,7 +81,10 @@ class Completions:
         if strings is not None:
             prompt = self._prompt_part(state, index, req, strings) if first else None
             logprobs = completion_logprobs(req, positions, strings, before + len(prefix), prompt)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(end)}
+        reason = finish_reason(end)
+        if not text and logprobs is None and reason is None and req.texts is not None:
+            return None  # tokens that released no text yet (without a tokenizer: never)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def full_choice(self, state: CompletionState, index: int, req: FrontRequest, positions: list[int],
                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict:

@@ -11,14 +11,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from qil_worker.engine.sampling_params import MAX_LOGIT_BIAS
 from qil_worker.errors import InvalidRequestError
+from qil_worker.request_limits import MAX_CALL_CHOICES, MAX_LOGIT_BIAS, check_count, check_stop_strings
 from qil_worker.structured.spec import ConstraintSpec
-from qil_worker.service import limits
 from qil_worker.service.errors import invalid
-
-# prompts x n of one call: each is a request in the engine
-MAX_CHOICES = 256
 
 # body parameter → (Engine.submit keyword, type) for those that pass straight through; the
 # extras after the first five are vLLM's
@@ -56,12 +52,20 @@ _UNSUPPORTED_UNLESS = {
 
 
 
-def param_of(engine_field: str | None, chat: bool) -> str | None:
-    """The API parameter behind an engine field (for error messages)."""
+# the API's newer names of the roles the chat template knows
+ROLE_ALIASES = {"developer": "system"}
+# reasoning_effort → Qwen3's thinking switch: the model has one way of thinking, on or off;
+# the efforts that ask for (almost) none turn it off
+REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+
+
+def param_of(engine_field: str | None, chat: bool, max_tokens_param: str = "max_tokens") -> str | None:
+    """The API parameter behind an engine field (for error messages); ``max_tokens_param``:
+    the name the call gave its length limit by (chat has two)."""
     if engine_field is None:
         return None
     names = {
-        "max_new_tokens": "max_completion_tokens" if chat else "max_tokens",
+        "max_new_tokens": max_tokens_param,
         "min_new_tokens": "min_tokens",
         "stop_strings": "stop",
         "token_ids": "messages" if chat else "prompt",
@@ -102,6 +106,11 @@ class CallParams:
     top_logprobs: int | None = None  # None: no logprobs
     echo: bool = False
     hide_output: bool = False  # max_tokens 0: the one token the engine ran is not answered
+    max_tokens_param: str = "max_tokens"  # the parameter max_new_tokens came from
+
+    def api_param(self, engine_field: str | None, chat: bool) -> str | None:
+        """``param_of`` for this call."""
+        return param_of(engine_field, chat, self.max_tokens_param)
 
 
 def _get(body: dict, name: str, kind: type, default: Any = None) -> Any:
@@ -122,7 +131,7 @@ _TYPE_NAMES = {float: "a number", int: "an integer", bool: "a boolean", str: "a 
                dict: "an object", list: "an array"}
 
 
-def _token_ids(value: Any) -> list[int] | None:
+def token_ids_of(value: Any) -> list[int] | None:
     """``value`` when it is a list of ints (booleans are not), else None."""
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
@@ -137,12 +146,12 @@ def completion_prompts(body: dict) -> list[Prompt]:
         return [Prompt(text=value)]
     if not isinstance(value, list) or not value:
         raise invalid("prompt", f"must be {shape} (non-empty)")
-    ids = _token_ids(value)
+    ids = token_ids_of(value)
     if ids is not None:
         return [Prompt(token_ids=ids)]
     if all(isinstance(p, str) for p in value):
         return [Prompt(text=p) for p in value]
-    lists = [_token_ids(p) for p in value]
+    lists = [token_ids_of(p) for p in value]
     if all(ids is not None and ids for ids in lists):
         return [Prompt(token_ids=ids) for ids in lists]
     raise invalid("prompt", f"must be {shape}")
@@ -169,7 +178,8 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise invalid("messages", f"[{i}].content must be a string or an array of text parts")
-        out.append({"role": m["role"], "content": content})
+        role = m["role"]
+        out.append({"role": ROLE_ALIASES.get(role, role), "content": content})
     return out
 
 
@@ -180,12 +190,15 @@ def _stop_strings(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise invalid("stop", "must be a string or an array of strings")
-    if len(stops) > limits.MAX_STOP_STRINGS:
-        raise invalid("stop", f"at most {limits.MAX_STOP_STRINGS}, got {len(stops)}")
-    for s in stops:
-        if not s or len(s) > limits.MAX_STOP_STRING_LENGTH:
-            raise invalid("stop", f"each must have 1 to {limits.MAX_STOP_STRING_LENGTH} characters, got {len(s)}")
-    return stops
+    return _checked(check_stop_strings, stops, "stop")
+
+
+def _checked(check, *args):
+    """``check(*args)``, its ``InvalidRequestError`` as the front's INVALID_ARGUMENT."""
+    try:
+        return check(*args)
+    except InvalidRequestError as exc:
+        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
 
 
 def _common(body: dict, chat: bool) -> CallParams:
@@ -213,7 +226,7 @@ def _common(body: dict, chat: bool) -> CallParams:
     if stops:
         options["stop_strings"] = stops
     stop_ids = _get(body, "stop_token_ids", list, [])
-    if _token_ids(stop_ids) is None:
+    if token_ids_of(stop_ids) is None:
         raise invalid("stop_token_ids", "must be an array of token ids")
     logit_bias = body.get("logit_bias")
     if logit_bias is not None:
@@ -230,6 +243,7 @@ def _logit_bias(value: Any) -> dict[str, Any]:
     """``{"token id": bias}`` (JSON keys are strings) → the engine's ``{id: bias}``."""
     if not isinstance(value, dict):
         raise invalid("logit_bias", "must be an object mapping token ids to biases")
+    _checked(check_count, "logit_bias", len(value), MAX_LOGIT_BIAS, "token ids")
     bias = {}
     for key, b in value.items():
         try:
@@ -239,8 +253,6 @@ def _logit_bias(value: Any) -> dict[str, Any]:
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise invalid("logit_bias", f"biases must be numbers, got {b!r}")
         bias[tid] = float(b)
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
     return {"logit_bias": bias} if bias else {}
 
 
@@ -323,6 +335,8 @@ def chat_params(body: dict) -> CallParams:
     params.prompts = [Prompt(messages=chat_messages(body))]
     newer = _get(body, "max_completion_tokens", int)
     params.max_new_tokens = newer if newer is not None else _get(body, "max_tokens", int)
+    if newer is not None:
+        params.max_tokens_param = "max_completion_tokens"
     if _get(body, "logprobs", bool, False):
         top = _get(body, "top_logprobs", int, 0)
         params.options["logprobs"] = True
@@ -330,17 +344,32 @@ def chat_params(body: dict) -> CallParams:
         params.top_logprobs = top
     elif body.get("top_logprobs") is not None:
         raise invalid("top_logprobs", "needs logprobs: true")
-    kwargs = _get(body, "chat_template_kwargs", dict, {})
-    thinking = kwargs.get("enable_thinking")
+    thinking = thinking_of(body)
     if thinking is not None:
-        if not isinstance(thinking, bool):
-            raise invalid("chat_template_kwargs", "enable_thinking must be a boolean")
         params.options["enable_thinking"] = thinking
     _check_choices(params)
     return params
 
 
+def thinking_of(body: dict) -> bool | None:
+    """Qwen3's thinking switch as a chat body sets it: ``chat_template_kwargs.enable_thinking``
+    or ``reasoning_effort`` (``REASONING_EFFORTS``), which must agree; None: the template's
+    default."""
+    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise invalid("chat_template_kwargs", "enable_thinking must be a boolean")
+    effort = _get(body, "reasoning_effort", str)
+    if effort is None:
+        return thinking
+    if effort not in REASONING_EFFORTS:
+        raise invalid("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    if thinking is not None and thinking != REASONING_EFFORTS[effort]:
+        raise invalid("reasoning_effort", f"{effort!r} contradicts chat_template_kwargs.enable_thinking {thinking}")
+    return REASONING_EFFORTS[effort]
+
+
 def _check_choices(params: CallParams) -> None:
     count = len(params.prompts) * params.n
-    if count > MAX_CHOICES:
-        raise invalid("n", f"prompts x n is {count}; at most {MAX_CHOICES} in one call")
+    if count > MAX_CALL_CHOICES:
+        raise invalid("n", f"prompts x n is {count}; at most {MAX_CALL_CHOICES} in one call")

@@ -3,6 +3,8 @@ middleware), and its start and stop beside the gRPC server."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import time
@@ -16,7 +18,9 @@ from qil_worker.service.auth import bearer_token_matches
 from qil_worker.service.errors import HttpError, ServiceError, internal, unauthenticated, unknown_model
 from qil_worker.service.http.call import error_response, handle
 from qil_worker.service.http.chat import Chat
+from qil_worker.service.http import tokens
 from qil_worker.service.http.completions import Completions
+from qil_worker.service.http.connections import Connections, GuardedSite, limit_accept_log
 from qil_worker.service.http.token_strings import TokenStrings
 
 if TYPE_CHECKING:
@@ -85,6 +89,10 @@ def make_app(ctx: HttpContext) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{name:.+}", model)
     app.router.add_get("/health", health)
+    # vLLM's tokenizer routes, at the root as vLLM serves them
+    app.router.add_post("/tokenize", functools.partial(tokens.tokenize, ctx))
+    app.router.add_post("/detokenize", functools.partial(tokens.detokenize, ctx))
+    app.router.add_get("/tokenizer_info", functools.partial(tokens.tokenizer_info, ctx))
     if ctx.metrics is not None:
         app.router.add_get("/metrics", _metrics_handler(ctx.metrics))
     return app
@@ -143,25 +151,38 @@ def _auth(ctx: HttpContext):
 class HttpSite:
     """The HTTP API on ``host:port``, on the running loop."""
 
-    def __init__(self, ctx: HttpContext, host: str, port: int) -> None:
+    def __init__(self, ctx: HttpContext, host: str, port: int, *,
+                 max_connections: int = limits.HTTP_MAX_CONNECTIONS,
+                 header_timeout_s: float = limits.HTTP_HEADER_TIMEOUT_S,
+                 keepalive_timeout_s: float = limits.HTTP_KEEPALIVE_TIMEOUT_S) -> None:
         self.ctx = ctx
         self.host = host
         self.port = port
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.connections = Connections(max_connections, header_timeout_s)
+        self._restore_exception_handler = None
+        app = make_app(ctx)
+        app.middlewares.insert(0, self.connections.middleware)  # outermost: sees every request
         # handler_cancellation: a client that disconnects cancels its handler (which cancels
         # its requests) even while the handler waits for tokens and writes nothing
-        self._runner = web.AppRunner(make_app(ctx), access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                                     keepalive_timeout=keepalive_timeout_s)
 
     async def start(self) -> int:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        site = GuardedSite(self._runner, self.connections, self.host, self.port)
         try:
             await site.start()
         except OSError as exc:
             await self._runner.cleanup()
             raise OSError(f"cannot bind HTTP {self.host}:{self.port}: {exc}") from None
         self.port = self._runner.addresses[0][1]  # the port picked for 0
+        self._restore_exception_handler = limit_accept_log(asyncio.get_running_loop())
         return self.port
 
     async def stop(self) -> None:
         await self._runner.cleanup()
+        if self._restore_exception_handler is not None:
+            self._restore_exception_handler()
+            self._restore_exception_handler = None
