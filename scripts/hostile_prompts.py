@@ -166,7 +166,7 @@ def deserialize(mib: int, kind: str, repeats: int = 20) -> None:
     ids), or scanned (``outsized_submit.submit_request``) and bounded from its size."""
     from qil_client._proto.qil.v1 import inference_pb2 as pb
     from qil_worker.freed_memory import map_large_blocks
-    from qil_worker.service.outsized_submit import submit_request
+    from qil_worker.service.front.outsized_submit import submit_request
 
     map_large_blocks()  # as in the front: each received message is a fresh mapping
     prompt = dict(token_ids=[7] * (mib * 2**20)) if kind == "token_ids" else dict(text="word " * (mib * 2**20 // 5))

@@ -12,8 +12,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from qil_worker.service.front import FrontConfig
-from qil_worker.service.server import ServeConfig, ServerThread
+from qil_worker.service.front.front import FrontConfig
+from qil_worker.service.front.server import ServeConfig, ServerThread
 
 ENGINE = dict(num_pages=512, page_size=16, token_budget=256, prefill_chunk=64, max_active=48)
 # The tiny test model with room for long requests (cancellation tests need them to run a while).

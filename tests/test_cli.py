@@ -104,7 +104,7 @@ def test_serve_refuses_client_certificates_without_tls():
         capture_output=True, text=True, timeout=120, env=ENV,
     )
     assert proc.returncode == 2 and "--tls-client-ca needs --tls-cert and --tls-key" in proc.stderr
-    from qil_worker.service.server import ServeConfig, Server
+    from qil_worker.service.front.server import ServeConfig, Server
 
     with pytest.raises(ValueError, match="--tls-client-ca needs"):
         asyncio.run(Server(ServeConfig(port=0, tls_client_ca="ca.pem")).start())

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qil_client.__main__ import _parser as client_parser
 from qil_worker.service.cli import add_serve_parser
-from qil_worker.service.health import SERVICE_NAME
+from qil_worker.service.front.health import SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

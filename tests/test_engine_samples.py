@@ -365,7 +365,7 @@ def test_the_worker_batch_carries_each_event_s_sample_and_final(model):
     import pickle
 
     from qil_worker.service import protocol as P
-    from qil_worker.service import worker
+    from qil_worker.service.worker import loop as worker
 
     engine = Engine(model, num_pages=64, page_size=4)
     rid = engine.submit(PROMPT, max_new_tokens=2, n=3, ignore_eos=True, **SAMPLED)

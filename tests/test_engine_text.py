@@ -8,7 +8,7 @@ from checkpoints import make_text_checkpoint
 from engine_helpers import run_to_completion
 from qil_worker import Engine, FinishReason, InvalidRequestError, Qwen3
 from qil_worker.errors import TokenizerUnavailableError
-from qil_worker.service.prompt_encoder import INLINE_CHARS, PromptEncoder
+from qil_worker.service.worker.prompt_encoder import INLINE_CHARS, PromptEncoder
 from qil_worker.service.protocol import Submit
 from qil_worker.text import IncrementalDetokenizer, StopStringMatcher, encode_prompt, load_tokenizer
 from qil_worker.text.output import TextOutput

@@ -1,4 +1,4 @@
-"""The HTTP front against slow and idle clients (``qil_worker.service.http.connections``): a
+"""The HTTP front against slow and idle clients (``qil_worker.service.front.http.connections``): a
 request head trickled in is cut off after the header timeout while other clients are served,
 connections over the cap are answered 503 and closed, an idle kept-alive connection is closed
 after the keep-alive timeout, and the loop's accept-error log line is rate-limited.
@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from qil_worker.service.cli import add_serve_parser, config_from_args
-from qil_worker.service.http.connections import ACCEPT_ERROR, AcceptErrorLog, connection_cap, limit_accept_log
+from qil_worker.service.front.http.connections import ACCEPT_ERROR, AcceptErrorLog, connection_cap, limit_accept_log
 from service_fixtures import http_base_url, start_http_server, wait_until
 
 PROMPT = [3, 4, 5, 6]

@@ -232,8 +232,8 @@ def test_worker_lost_mid_stream_ends_with_an_error_event(model_dir):
 
 
 def test_health_is_503_until_serving(model_dir):
-    from qil_worker.service.front import FrontConfig
-    from qil_worker.service.server import ServeConfig, ServerThread
+    from qil_worker.service.front.front import FrontConfig
+    from qil_worker.service.front.server import ServeConfig, ServerThread
 
     port = free_port()
     cfg = ServeConfig(host="127.0.0.1", port=0, http_port=port,

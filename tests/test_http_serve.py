@@ -10,8 +10,8 @@ import socket
 import httpx
 import pytest
 
-from qil_worker.service.front import FrontConfig
-from qil_worker.service.server import ServeConfig, ServerThread
+from qil_worker.service.front.front import FrontConfig
+from qil_worker.service.front.server import ServeConfig, ServerThread
 from service_fixtures import serve_process, stop_server_process, wait_until
 
 PROMPT = [3, 4, 5, 6]

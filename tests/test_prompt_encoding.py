@@ -11,7 +11,7 @@ import pytest
 from checkpoints import make_tokenizer
 from qil_worker.errors import CapacityError
 from qil_worker.service.demo_model import ensure_demo_model
-from qil_worker.service.prompt_encoder import encode_within
+from qil_worker.service.worker.prompt_encoder import encode_within
 from qil_worker.text import load_tokenizer
 from qil_worker.text.prompt import PIECE_CHARS, PromptRoom, PromptTooLong, encode_text, piece_ends
 from qil_worker.text.tokenizer import encoding_traits, min_tokens
@@ -101,7 +101,7 @@ def test_an_empty_chat_is_blamed_on_messages():
 def test_outsized_jobs_release_memory_once_all_are_done(tokenizers):
     from qil_worker.freed_memory import OUTSIZED_CHARS, release_outsized
     from qil_worker.service.protocol import Submit
-    from qil_worker.service.prompt_encoder import PromptEncoder
+    from qil_worker.service.worker.prompt_encoder import PromptEncoder
 
     assert release_outsized()  # glibc: malloc_trim is there
     enc = PromptEncoder(tokenizers[0], PromptRoom(max_positions=2048))

@@ -83,15 +83,15 @@ def test_client_does_not_import_torch():
 
 def test_front_does_not_import_torch():
     mods = _modules_after_import(
-        "import qil_worker.service.server, qil_worker.service.cli, qil_worker.service.worker,"
+        "import qil_worker.service.front.server, qil_worker.service.cli, qil_worker.service.worker.loop,"
         " qil_worker.service.demo_model"
     )
-    assert "qil_worker.service.server" in mods
+    assert "qil_worker.service.front.server" in mods
     assert "torch" not in mods, "the front (and qil_worker/__init__) must not import torch"
     assert "transformers" not in mods and "tokenizers" not in mods, "the tokenizer lives in the worker"
     assert "llguidance" not in mods, "grammars are compiled in the worker"
     assert "qil_worker.structured.spec" in mods  # the front checks constraints by the worker's rules
-    assert "aiohttp" not in mods and "qil_worker.service.http" not in mods, (
+    assert "aiohttp" not in mods and "qil_worker.service.front.http" not in mods, (
         "the HTTP stack is imported only with --http-port"
     )
 
@@ -100,9 +100,9 @@ def test_http_front_does_not_import_torch():
     """With --http-port the front loads the HTTP stack, and still no torch or tokenizer."""
     pytest.importorskip("aiohttp")
     mods = _modules_after_import(
-        "import qil_worker.service.server, qil_worker.service.http.site, qil_worker.service.http.token_strings"
+        "import qil_worker.service.front.server, qil_worker.service.front.http.site, qil_worker.service.front.http.token_strings"
     )
-    assert "aiohttp" in mods and "qil_worker.service.http.site" in mods
+    assert "aiohttp" in mods and "qil_worker.service.front.http.site" in mods
     assert "torch" not in mods
     assert "transformers" not in mods and "tokenizers" not in mods
     assert "llguidance" not in mods

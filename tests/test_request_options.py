@@ -15,7 +15,7 @@ from qil_client.options import LOGPROBS, NAMES, OPTIONS, SAMPLING, TEXT
 from qil_client.results import submit_request
 from qil_worker.cli_generate import add_generate_parser, sampling_kwargs
 from qil_worker.engine import Engine, SamplingParams
-from qil_worker.service.requests import submit_args
+from qil_worker.service.front.submit_args import submit_args
 
 # A valid value of each type, none of them a default (so that "set" is observable everywhere).
 VALUES = {float: 0.5, int: 3, bool: True}

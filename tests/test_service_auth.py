@@ -12,7 +12,7 @@ import pytest
 
 from qil_client import TLS, Client, ResourceExhausted, Unauthenticated, Unavailable, pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
-from qil_worker.service import limits
+from qil_worker.service.front import limits
 from service_fixtures import start_server, wait_until
 
 TOKEN = "s3cret-token"

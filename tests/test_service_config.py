@@ -117,7 +117,7 @@ def test_auth_token_from_flag_or_environment(monkeypatch):
 
 
 def _finished_req(rid: str, num_tokens: int = 1, top_width: int = 0):
-    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.front.request_log import FrontRequest
     from qil_worker.service.protocol import FinalRecord, FinishReason
 
     req = FrontRequest(rid, 1)
@@ -128,7 +128,7 @@ def _finished_req(rid: str, num_tokens: int = 1, top_width: int = 0):
 
 
 def test_finished_requests_are_retained_boundedly():
-    from qil_worker.service.front_request import Retention
+    from qil_worker.service.front.request_log import Retention
 
     kept = Retention(max_count=2, max_size=10**6, max_age_s=60)
     dropped = [kept.keep(_finished_req(f"r{i}")) for i in range(4)]
@@ -137,7 +137,7 @@ def test_finished_requests_are_retained_boundedly():
 
 
 def test_finished_requests_are_retained_within_a_token_budget():
-    from qil_worker.service.front_request import Retention, retained_size
+    from qil_worker.service.front.request_log import Retention, retained_size
 
     kept = Retention(max_count=100, max_size=1000, max_age_s=60)
     sizes, dropped = {}, []
@@ -152,7 +152,7 @@ def test_finished_requests_are_retained_within_a_token_budget():
 
 
 def test_finished_requests_expire_by_age_and_a_forgotten_id_frees_its_size():
-    from qil_worker.service.front_request import Retention
+    from qil_worker.service.front.request_log import Retention
 
     kept = Retention(max_count=100, max_size=1000, max_age_s=0.05)
     kept.keep(_finished_req("old", num_tokens=10))
@@ -164,7 +164,7 @@ def test_finished_requests_expire_by_age_and_a_forgotten_id_frees_its_size():
 
 
 def test_retention_bounds_are_inclusive():
-    from qil_worker.service.front_request import Retention
+    from qil_worker.service.front.request_log import Retention
 
     kept = Retention(max_count=2, max_size=200, max_age_s=60)
     assert kept.keep(_finished_req("a", num_tokens=100)) == []
@@ -198,7 +198,7 @@ def test_tls_cert_without_key_is_refused(capsys):
 
 
 def test_structured_warmup_flag_reaches_the_worker_config():
-    from qil_worker.service.front import _worker_config
+    from qil_worker.service.front.front import _worker_config
 
     assert config_from_args(_parse([])).front.structured_warmup is True
     cfg = config_from_args(_parse(["--no-structured-warmup"]))

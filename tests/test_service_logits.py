@@ -17,8 +17,8 @@ from qil_client.__main__ import main as client_main
 from qil_client.results import ResultBuilder, submit_request
 from qil_worker.engine.sampling_params import MAX_LOGIT_BIAS
 from qil_worker.service import protocol as P
-from qil_worker.service.front_request import FrontRequest, retained_size
-from qil_worker.service.streams import build_event
+from qil_worker.service.front.request_log import FrontRequest, retained_size
+from qil_worker.service.front.streams import build_event
 from service_fixtures import ENGINE, reference_outputs, wait_until
 
 ATOL = 1e-4

@@ -193,7 +193,7 @@ def test_operations_flags_reach_the_config():
     import argparse
 
     from qil_worker.service.cli import add_serve_parser, config_from_args
-    from qil_worker.service.limits import MAX_STREAM_BACKLOG
+    from qil_worker.service.front.limits import MAX_STREAM_BACKLOG
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())

@@ -408,9 +408,9 @@ def _final(reason, prompt, output, preemptions=0, stop=None, mean_itl=0.01, max_
 
 
 def test_build_event_coalesces_everything_since_the_cursor():
-    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.front.request_log import FrontRequest
     from qil_worker.service.protocol import FinishReason
-    from qil_worker.service.streams import build_event
+    from qil_worker.service.front.streams import build_event
 
     req = FrontRequest("r", prompt_len=3)
     assert build_event(req, 0) == (None, 0, False)
@@ -426,9 +426,9 @@ def test_build_event_coalesces_everything_since_the_cursor():
 
 
 def test_build_event_keeps_text_and_logprobs_aligned_with_tokens():
-    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.front.request_log import FrontRequest
     from qil_worker.service.protocol import FinishReason
-    from qil_worker.service.streams import build_event
+    from qil_worker.service.front.streams import build_event
 
     req = FrontRequest("r", prompt_len=2)
     req.append(5, "a", -0.5, [(5, -0.5), (6, -1.0)])
@@ -508,7 +508,7 @@ def test_max_new_tokens_defaults_to_16(server):
 
 
 def test_a_session_answers_more_frames_than_it_holds_at_once(server):
-    from qil_worker.service import limits
+    from qil_worker.service.front import limits
     n = limits.MAX_PENDING_FRAMES + 44
     with Client(server.target, timeout=30) as c:
         s = c.session(timeout=30)

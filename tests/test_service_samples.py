@@ -161,7 +161,7 @@ def _record(reason, output):
 
 
 def _drain(req, cursor):
-    from qil_worker.service.streams import ends_before, next_event
+    from qil_worker.service.front.streams import ends_before, next_event
 
     events, seen = [], ends_before(req, cursor)
     while True:
@@ -174,7 +174,7 @@ def _drain(req, cursor):
 
 
 def test_the_front_log_keeps_the_samples_apart_and_their_ends_in_place():
-    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.front.request_log import FrontRequest
     from qil_worker.service.protocol import FinishReason as R
 
     req = FrontRequest("r", prompt_len=2, n=3)

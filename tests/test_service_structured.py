@@ -204,7 +204,7 @@ def test_submit_frames_of_a_session_carry_the_constraint(client):
 
 def test_the_oneof_carries_each_constraint_to_the_front_and_an_empty_choice_list_too():
     from qil_client.results import submit_request
-    from qil_worker.service.requests import submit_args
+    from qil_worker.service.front.submit_args import submit_args
 
     assert submit_args(submit_request([1], json_object=True)).options == {"json_object": True}
     assert "json_object" not in submit_args(pb.SubmitRequest(token_ids=[1], json_object=False)).options
@@ -369,7 +369,7 @@ def test_a_server_that_cannot_run_constraints_says_failed_precondition(text_dir,
 
 
 def test_the_specs_the_worker_looks_up_in_its_loop_are_still_in_the_compilers_cache():
-    from qil_worker.service.constraint_compiles import INLINE_RECENT
+    from qil_worker.service.worker.constraint_compiles import INLINE_RECENT
     from qil_worker.structured.compiler import CACHE_SIZE
 
     assert 0 < INLINE_RECENT <= CACHE_SIZE  # recent ones compile inline: a hit, never a rebuild

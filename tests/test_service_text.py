@@ -323,7 +323,7 @@ def test_a_worker_exits_without_waiting_for_a_prompt_still_being_encoded():
     and the process must not wait for it to end (it did: the pool's thread was joined at exit)."""
     script = (
         "import threading, time\n"
-        "from qil_worker.service.prompt_encoder import PromptEncoder\n"
+        "from qil_worker.service.worker.prompt_encoder import PromptEncoder\n"
         "from qil_worker.service.protocol import Submit\n"
         "started = threading.Event()\n"
         "class Slow:\n"

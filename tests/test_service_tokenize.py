@@ -110,7 +110,7 @@ def test_an_empty_prompt_is_zero_tokens(client):
 def test_a_long_text_over_grpc_gets_the_tokenizers_ids(client, tokenizer):
     """Over the inline limit: tokenized on the worker's encoding thread (the test below shows
     that others run meanwhile, at the worker's loop, where it can be observed)."""
-    from qil_worker.service.prompt_encoder import INLINE_CHARS
+    from qil_worker.service.worker.prompt_encoder import INLINE_CHARS
 
     text = ("hello world, qil serves 中文 " * (INLINE_CHARS // 20 + 50))
     assert len(text) > INLINE_CHARS
@@ -159,7 +159,7 @@ def test_an_answer_over_the_message_limit_is_resource_exhausted(client, monkeypa
     """A request under the limit can expand past it; the limit is lowered here (the front runs
     in this process) so that a small request shows it."""
     from qil_client import ResourceExhausted
-    from qil_worker.service import limits
+    from qil_worker.service.front import limits
 
     ids = client.tokenize("the quick brown fox jumps over the lazy dog " * 40).token_ids
     text = client.detokenize(ids)
@@ -347,8 +347,8 @@ def test_a_long_tokenize_runs_beside_the_loop_while_another_request_ends(text_di
     in the loop. Once released, the long one's answer comes, with the tokenizer's ids."""
     from qil_worker import Engine, Qwen3
     from qil_worker.service import protocol as P
-    from qil_worker.service import worker
-    from qil_worker.service.prompt_encoder import INLINE_CHARS
+    from qil_worker.service.worker import loop as worker
+    from qil_worker.service.worker.prompt_encoder import INLINE_CHARS
     from qil_worker.text import load_tokenizer
 
     real = load_tokenizer(text_dir)

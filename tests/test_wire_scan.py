@@ -11,9 +11,9 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_worker.freed_memory import OUTSIZED_CHARS
-from qil_worker.service import wire_scan as W
-from qil_worker.service.decoding import Undecodable, lenient
-from qil_worker.service.outsized_submit import OutsizedSubmit, TextSize, stream_events_request, submit_request
+from qil_worker.service.front import wire_scan as W
+from qil_worker.service.front.decoding import Undecodable, lenient
+from qil_worker.service.front.outsized_submit import OutsizedSubmit, TextSize, stream_events_request, submit_request
 from qil_worker.text.tokenizer import min_tokens, min_tokens_of_sizes
 
 BIG = OUTSIZED_CHARS + 7

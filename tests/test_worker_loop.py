@@ -8,7 +8,7 @@ import threading
 
 from qil_worker import Engine
 from qil_worker.service import protocol as P
-from qil_worker.service import worker
+from qil_worker.service.worker import loop as worker
 
 
 class _Received:
@@ -122,7 +122,7 @@ def test_a_long_text_prompt_is_tokenized_beside_the_step_loop(tmp_path, monkeypa
     requests run to their end meanwhile, and a cancel that comes first still ends it."""
     from checkpoints import make_text_checkpoint
     from qil_worker import Qwen3
-    from qil_worker.service import prompt_encoder
+    from qil_worker.service.worker import prompt_encoder
     from qil_worker.text import load_tokenizer
 
     monkeypatch.setattr(prompt_encoder, "INLINE_CHARS", 5)  # "hello there" counts as long
@@ -189,7 +189,7 @@ def test_a_constraint_is_compiled_beside_the_step_loop(tmp_path, monkeypatch):
     the tables the worker builds before Ready are built before any constrained request."""
     from checkpoints import make_text_checkpoint
     from qil_worker import Qwen3
-    from qil_worker.service import prompt_encoder
+    from qil_worker.service.worker import prompt_encoder
     from qil_worker.text import load_tokenizer
 
     monkeypatch.setattr(prompt_encoder, "INLINE_CHARS", 5)  # "hello there" counts as long

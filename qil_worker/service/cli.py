@@ -13,9 +13,10 @@ from qil_worker.attention.names import ATTENTION_CHOICES
 from qil_worker.cli_generate import positive_int
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
 from qil_worker.quantization import QUANTIZE_CHOICES
-from qil_worker.service import limits, logs
-from qil_worker.service.front import FrontConfig
-from qil_worker.service.server import ServeConfig, serve
+from qil_worker.service.front import limits
+from qil_worker.service import logs
+from qil_worker.service.front.front import FrontConfig
+from qil_worker.service.front.server import ServeConfig, serve
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -307,7 +308,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def run_serve(args: argparse.Namespace) -> int:
     logs.setup(args.log_level.upper(), args.log_format)
     if args.metrics_port is not None:
-        from qil_worker.service.metrics import MetricsUnavailable, require_prometheus
+        from qil_worker.service.front.metrics import MetricsUnavailable, require_prometheus
 
         try:
             require_prometheus()

@@ -80,6 +80,27 @@ class PromptRoom:
         )
 
 
+def prompt_chars(text: str | None, messages: list[dict[str, Any]] | None) -> int:
+    """The size of a prompt in characters (what decides whether the worker encodes it in its
+    loop or beside it, and whether it is outsized)."""
+    if isinstance(text, str):
+        return len(text)
+    if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+        return sum(len(str(m.get("content", ""))) for m in messages)
+    return 0
+
+
+def prompt_field(options: dict[str, Any]) -> str:
+    """The field a submit's text or chat prompt came in."""
+    return "messages" if options.get("messages") is not None else "text"
+
+
+def tokenize_refusal(num_tokens: int, max_tokens: int, exact: bool) -> str:
+    """Why a Tokenize of ``num_tokens`` tokens (a lower bound unless ``exact``) is refused."""
+    count = f"{num_tokens}" if exact else f"at least {num_tokens}"
+    return f"{count} tokens, more than the model's {max_tokens} positions: no request could carry it"
+
+
 def piece_ends(text: str, size: int = PIECE_CHARS) -> Iterator[int]:
     """The end offsets of consecutive pieces of ``text`` of about ``size`` characters, each cut
     at a ``_CUT`` place (the last one before ``size``, else the next one after); a stretch

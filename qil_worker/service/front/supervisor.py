@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from qil_worker.service import protocol as P
-from qil_worker.service.worker_process import WorkerFailed, WorkerProcess, WorkerState
+from qil_worker.service.front.worker_process import WorkerFailed, WorkerProcess, WorkerState
 
 log = logging.getLogger("qil.front")
 

@@ -65,7 +65,7 @@ class WorkerProcess:
     ) -> "WorkerProcess":
         """Start ``worker_main(worker_config)`` in a fresh interpreter and the pipe threads;
         ``deliver(gen, message)`` is called from the reader thread."""
-        from qil_worker.service.worker import worker_main  # torch-free at import time
+        from qil_worker.service.worker.loop import worker_main  # torch-free at import time
 
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client.options import NAMES as OPTION_NAMES
 from qil_worker.errors import InvalidRequestError
-from qil_worker.service import limits
+from qil_worker.service.front import limits
 from qil_worker.service.errors import ServiceError, invalid
-from qil_worker.service.front import release_outsized_later
-from qil_worker.service.outsized_submit import OutsizedSubmit, PromptSize
+from qil_worker.service.front.front import release_outsized_later
+from qil_worker.service.front.outsized_submit import OutsizedSubmit, PromptSize
 from qil_worker.structured.spec import ConstraintSpec  # torch- and llguidance-free
 
 if TYPE_CHECKING:
-    from qil_worker.service.front import Front
-    from qil_worker.service.front_request import FrontRequest
+    from qil_worker.service.front.front import Front
+    from qil_worker.service.front.request_log import FrontRequest
 
 
 @dataclass

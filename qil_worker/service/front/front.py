@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterable, Iterator
 from qil_worker.engine.sampling_params import SamplingParams  # torch-free
 from qil_worker.errors import CapacityError, InvalidRequestError
 from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH, check_stop_strings
-from qil_worker.service import limits
+from qil_worker.service.front import limits
 from qil_worker.service import protocol as P
-from qil_worker.service.calls_in_flight import CallsInFlight
+from qil_worker.service.front.calls_in_flight import CallsInFlight
 from qil_worker.service.errors import (
     ServiceError,
     already_exists,
@@ -31,14 +31,13 @@ from qil_worker.service.errors import (
     resource_exhausted,
     unavailable,
 )
-from qil_worker.service.front_request import FrontRequest, Retention
-from qil_worker.service.outsized_submit import PromptSize
-from qil_worker.service.requests_in_flight import RequestsInFlight
-from qil_worker.service.supervisor import RestartPolicy, WorkerSupervisor
-from qil_worker.service.worker_process import WorkerState
+from qil_worker.service.front.request_log import FrontRequest, Retention
+from qil_worker.service.front.outsized_submit import PromptSize
+from qil_worker.service.front.requests_in_flight import RequestsInFlight
+from qil_worker.service.front.supervisor import RestartPolicy, WorkerSupervisor
+from qil_worker.service.front.worker_process import WorkerState
 from qil_worker.freed_memory import OUTSIZED_CHARS, map_large_blocks, release_outsized
-from qil_worker.service.tokenizer_calls import prompt_chars, prompt_field, tokenize_refusal
-from qil_worker.text.prompt import ROLES, PromptRoom, PromptTooLong
+from qil_worker.text.prompt import ROLES, PromptRoom, PromptTooLong, prompt_chars, prompt_field, tokenize_refusal
 from qil_worker.text.tokenizer import min_tokens
 
 # When to release after an outsized request: its message outlives ``submit`` until the RPC

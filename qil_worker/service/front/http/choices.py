@@ -11,11 +11,11 @@ from typing import AsyncIterator
 import grpc
 
 from qil_worker.service.errors import ServiceError, unavailable
-from qil_worker.service.front import Front
-from qil_worker.service.front_request import FrontRequest, SampleEnd
-from qil_worker.service.http.params import CallParams, Prompt
+from qil_worker.service.front.front import Front
+from qil_worker.service.front.request_log import FrontRequest, SampleEnd
+from qil_worker.service.front.http.params import CallParams, Prompt
 from qil_worker.service.protocol import FinishReason
-from qil_worker.service.streams import (
+from qil_worker.service.front.streams import (
     Subscription,
     WriteClock,
     backlog_bound,

@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qil_worker.service.errors import invalid
-from qil_worker.service.front_request import FrontRequest, SampleEnd
-from qil_worker.service.http.params import CallParams, Prompt, chat_params
-from qil_worker.service.http.shapes import chat_logprobs, finish_reason, output_text
+from qil_worker.service.front.request_log import FrontRequest, SampleEnd
+from qil_worker.service.front.http.params import CallParams, Prompt, chat_params
+from qil_worker.service.front.http.shapes import chat_logprobs, finish_reason, output_text
 
 if TYPE_CHECKING:
-    from qil_worker.service.http.site import HttpContext
+    from qil_worker.service.front.http.site import HttpContext
 
 
 async def fill_context(ctx: "HttpContext", params: CallParams) -> None:

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
-from qil_worker.service import limits
-from qil_worker.service.auth import BearerTokenInterceptor
-from qil_worker.service.decoding import add_servicer
-from qil_worker.service.front import Front, FrontConfig
-from qil_worker.service.health import SERVICE_NAME, Health
+from qil_worker.service.front import limits
+from qil_worker.service.front.auth import BearerTokenInterceptor
+from qil_worker.service.front.decoding import add_servicer
+from qil_worker.service.front.front import Front, FrontConfig
+from qil_worker.service.front.health import SERVICE_NAME, Health
 from qil_worker.service.heap import freeze_startup_heap
-from qil_worker.service.reflection import enable_reflection
-from qil_worker.service.servicer import InferenceServicer
-from qil_worker.service.worker_process import WorkerFailed, WorkerState
+from qil_worker.service.front.reflection import enable_reflection
+from qil_worker.service.front.servicer import InferenceServicer
+from qil_worker.service.front.worker_process import WorkerFailed, WorkerState
 
 log = logging.getLogger("qil.server")
 
@@ -79,7 +79,7 @@ class Server:
     async def start(self) -> int:
         cfg = self.config
         if cfg.metrics_port is not None:
-            from qil_worker.service.metrics import Metrics  # imports prometheus_client
+            from qil_worker.service.front.metrics import Metrics  # imports prometheus_client
 
             self.metrics = Metrics()
             # an IPv6 --host is written [::1] for gRPC; the HTTP server wants it bare
@@ -151,8 +151,8 @@ class Server:
     async def _start_http(self) -> None:
         """The OpenAI-compatible API beside gRPC, on this loop, over the same front (its
         library is imported only here: a gRPC-only front never loads it)."""
-        from qil_worker.service.http.site import HttpContext, HttpSite, served_model_name
-        from qil_worker.service.http.token_strings import TokenStrings
+        from qil_worker.service.front.http.site import HttpContext, HttpSite, served_model_name
+        from qil_worker.service.front.http.token_strings import TokenStrings
 
         cfg = self.config
         ctx = HttpContext(

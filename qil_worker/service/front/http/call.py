@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 
 from qil_worker.service.errors import ServiceError, http_status, openai_error, unknown_model
-from qil_worker.service.front_request import FrontRequest, SampleEnd
-from qil_worker.service.http.body import read_body
-from qil_worker.service.http.choices import Choices, request_failure, submit_all
-from qil_worker.service.http.params import CallParams
-from qil_worker.service.http.shapes import by_sample, created, ids_for_strings, new_id, sample_end, usage
-from qil_worker.service.http.sse import ChunkFrame, EventStream, dumps
+from qil_worker.service.front.request_log import FrontRequest, SampleEnd
+from qil_worker.service.front.http.body import read_body
+from qil_worker.service.front.http.choices import Choices, request_failure, submit_all
+from qil_worker.service.front.http.params import CallParams
+from qil_worker.service.front.http.shapes import by_sample, created, ids_for_strings, new_id, sample_end, usage
+from qil_worker.service.front.http.sse import ChunkFrame, EventStream, dumps
 
 if TYPE_CHECKING:
-    from qil_worker.service.http.site import HttpContext
+    from qil_worker.service.front.http.site import HttpContext
 
 
 class Endpoint(Protocol):

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from qil_worker.service.errors import HttpError, ServiceError, invalid, unknown_model
-from qil_worker.service.http.body import read_body
-from qil_worker.service.http.params import chat_messages, token_ids_of, thinking_of
-from qil_worker.service.http.sse import dumps
+from qil_worker.service.front.http.body import read_body
+from qil_worker.service.front.http.params import chat_messages, token_ids_of, thinking_of
+from qil_worker.service.front.http.sse import dumps
 
 if TYPE_CHECKING:
-    from qil_worker.service.http.site import HttpContext
+    from qil_worker.service.front.http.site import HttpContext
 
 
 def _check_model(ctx: "HttpContext", body: dict) -> None:

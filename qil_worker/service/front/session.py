@@ -11,14 +11,14 @@ from typing import AsyncIterator
 import grpc
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
-from qil_worker.service import limits
-from qil_worker.service.decoding import Undecodable
+from qil_worker.service.front import limits
+from qil_worker.service.front.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, not_found, unavailable
-from qil_worker.service.front import Front
-from qil_worker.service.front_request import FrontRequest
-from qil_worker.service.outsized_submit import OutsizedSubmit
-from qil_worker.service.requests import refuse_unfit, submit_to
-from qil_worker.service.streams import (
+from qil_worker.service.front.front import Front
+from qil_worker.service.front.request_log import FrontRequest
+from qil_worker.service.front.outsized_submit import OutsizedSubmit
+from qil_worker.service.front.submit_args import refuse_unfit, submit_to
+from qil_worker.service.front.streams import (
     Subscription,
     WriteClock,
     backlog_bound,

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from qil_worker.errors import InvalidRequestError
-from qil_worker.service.beside_loop import SideThread, WaitingSubmits, run_now, wait_any
+from qil_worker.service.worker.beside_loop import SideThread, WaitingSubmits, run_now, wait_any
 from qil_worker.service.protocol import Submit
 from qil_worker.structured.spec import CONSTRAINT_KINDS, ConstraintSpec
 

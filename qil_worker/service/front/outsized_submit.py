@@ -18,8 +18,8 @@ from typing import Any
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_worker.freed_memory import OUTSIZED_CHARS
-from qil_worker.service import wire_scan as W
-from qil_worker.service.decoding import Undecodable, parse_leniently
+from qil_worker.service.front import wire_scan as W
+from qil_worker.service.front.decoding import Undecodable, parse_leniently
 from qil_worker.text.prompt import ROLES
 from qil_worker.text.tokenizer import min_tokens_of_sizes
 

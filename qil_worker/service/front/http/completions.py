@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from qil_worker.service.front_request import FrontRequest, SampleEnd
-from qil_worker.service.http.params import CallParams, Prompt, completion_params
-from qil_worker.service.http.shapes import completion_logprobs, finish_reason, output_text, prompt_part
+from qil_worker.service.front.request_log import FrontRequest, SampleEnd
+from qil_worker.service.front.http.params import CallParams, Prompt, completion_params
+from qil_worker.service.front.http.shapes import completion_logprobs, finish_reason, output_text, prompt_part
 
 if TYPE_CHECKING:
-    from qil_worker.service.http.site import HttpContext
+    from qil_worker.service.front.http.site import HttpContext
 
 
 @dataclass

@@ -30,11 +30,11 @@ from typing import Any
 
 from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
-from qil_worker.service.constraint_compiles import ConstraintCompiles
+from qil_worker.service.worker.constraint_compiles import ConstraintCompiles
 from qil_worker.service.heap import freeze_startup_heap
 from qil_worker.freed_memory import release_outsized
-from qil_worker.service.prompt_encoder import PromptEncoder, PromptRoom
-from qil_worker.service.tokenizer_calls import detokenize, tokenize
+from qil_worker.service.worker.prompt_encoder import PromptEncoder, PromptRoom
+from qil_worker.service.worker.tokenizer_calls import detokenize, tokenize
 
 log = logging.getLogger("qil.worker")
 

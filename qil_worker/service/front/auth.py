@@ -13,7 +13,7 @@ from typing import Awaitable, Callable
 import grpc
 
 from qil_worker.service.errors import unauthenticated
-from qil_worker.service.reflection import SERVICE_NAMES as REFLECTION_SERVICES
+from qil_worker.service.front.reflection import SERVICE_NAMES as REFLECTION_SERVICES
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIXES = tuple(f"/{name}/" for name in REFLECTION_SERVICES)

@@ -28,7 +28,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from qil_worker.service import limits
+from qil_worker.service.front import limits
 
 log = logging.getLogger("qil.http")
 

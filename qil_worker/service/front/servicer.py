@@ -10,17 +10,17 @@ import grpc
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
-from qil_worker.service import limits
+from qil_worker.service.front import limits
 from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH
-from qil_worker.service.decoding import Undecodable
+from qil_worker.service.front.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted, unavailable
-from qil_worker.service.front import Front
+from qil_worker.service.front.front import Front
 from qil_worker.service.protocol import WorkerInfo
-from qil_worker.service.front_request import FrontRequest
-from qil_worker.service.outsized_submit import OutsizedSubmit, stream_events_request, submit_request
-from qil_worker.service.requests import refuse_unfit, submit_to
-from qil_worker.service.session import StreamSession
-from qil_worker.service.streams import (
+from qil_worker.service.front.request_log import FrontRequest
+from qil_worker.service.front.outsized_submit import OutsizedSubmit, stream_events_request, submit_request
+from qil_worker.service.front.submit_args import refuse_unfit, submit_to
+from qil_worker.service.front.session import StreamSession
+from qil_worker.service.front.streams import (
     Subscription,
     WriteClock,
     backlog_bound,

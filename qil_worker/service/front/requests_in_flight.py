@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 from qil_worker.service import protocol as P
 from qil_worker.service.errors import unavailable
-from qil_worker.service.front_request import FrontRequest, Retention
+from qil_worker.service.front.request_log import FrontRequest, Retention
 
 
 class _EndWaiter:

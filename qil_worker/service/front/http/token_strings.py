@@ -13,7 +13,7 @@ import asyncio
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
-    from qil_worker.service.front import Front
+    from qil_worker.service.front.front import Front
 
 # more than any vocabulary qil serves: the cache never grows past the model's ids
 MAX_CACHED = 1 << 20

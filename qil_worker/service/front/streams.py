@@ -9,13 +9,13 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
-from qil_worker.service import limits
+from qil_worker.service.front import limits
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted
-from qil_worker.service.front_request import FrontRequest, SampleEnd
+from qil_worker.service.front.request_log import FrontRequest, SampleEnd
 from qil_worker.service.protocol import RequestMetrics
 
 if TYPE_CHECKING:
-    from qil_worker.service.front import Front
+    from qil_worker.service.front.front import Front
 
 log = logging.getLogger("qil.server")
 

@@ -28,9 +28,10 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from qil_worker.freed_memory import OUTSIZED_CHARS
-from qil_worker.service.beside_loop import SideThread, WaitingSubmits, wait_any
+from qil_worker.service.worker.beside_loop import SideThread, WaitingSubmits, wait_any
 from qil_worker.service.protocol import Detokenize, Submit, Tokenize
-from qil_worker.service.tokenizer_calls import INLINE_IDS, prompt_chars, prompt_field
+from qil_worker.service.worker.tokenizer_calls import INLINE_IDS
+from qil_worker.text.prompt import prompt_chars, prompt_field
 from qil_worker.text.prompt import PromptRoom, PromptTooLong, encode_prompt
 
 PROMPT_OPTIONS = ("text", "messages", "enable_thinking")  # consumed by encoding

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from qil_worker.service.streams import WriteClock
+from qil_worker.service.front.streams import WriteClock
 
 HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",

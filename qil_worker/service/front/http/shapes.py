@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from qil_worker.service.front_request import FrontRequest, SampleEnd
+from qil_worker.service.front.request_log import FrontRequest, SampleEnd
 from qil_worker.service.protocol import FinishReason
 
 _FINISH = {

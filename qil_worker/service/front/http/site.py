@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from qil_worker.service import limits
-from qil_worker.service.auth import bearer_token_matches
+from qil_worker.service.front import limits
+from qil_worker.service.front.auth import bearer_token_matches
 from qil_worker.service.errors import HttpError, ServiceError, internal, unauthenticated, unknown_model
-from qil_worker.service.http.call import error_response, handle
-from qil_worker.service.http.chat import Chat
-from qil_worker.service.http import tokens
-from qil_worker.service.http.completions import Completions
-from qil_worker.service.http.connections import Connections, GuardedSite, limit_accept_log
-from qil_worker.service.http.token_strings import TokenStrings
+from qil_worker.service.front.http.call import error_response, handle
+from qil_worker.service.front.http.chat import Chat
+from qil_worker.service.front.http import tokens
+from qil_worker.service.front.http.completions import Completions
+from qil_worker.service.front.http.connections import Connections, GuardedSite, limit_accept_log
+from qil_worker.service.front.http.token_strings import TokenStrings
 
 if TYPE_CHECKING:
-    from qil_worker.service.front import Front
-    from qil_worker.service.health import Health
+    from qil_worker.service.front.front import Front
+    from qil_worker.service.front.health import Health
 
 log = logging.getLogger("qil.http")
 

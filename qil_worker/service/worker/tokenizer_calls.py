@@ -13,29 +13,9 @@ from typing import Any
 from qil_worker.errors import InvalidRequestError, TokenizerUnavailableError
 from qil_worker.service import protocol as P
 from qil_worker.service.errors import classify_engine_error
-from qil_worker.text.prompt import PromptTooLong, encode_prompt
+from qil_worker.text.prompt import PromptTooLong, encode_prompt, tokenize_refusal
 
 INLINE_IDS = 4096  # detokenizing up to this many ids (a few ms) stays in the step loop
-
-
-def prompt_chars(text: str | None, messages: list[dict[str, Any]] | None) -> int:
-    """The size of a prompt in characters, as the inline-or-thread choice counts it."""
-    if isinstance(text, str):
-        return len(text)
-    if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
-        return sum(len(str(m.get("content", ""))) for m in messages)
-    return 0
-
-
-def prompt_field(options: dict[str, Any]) -> str:
-    """The field a submit's text or chat prompt came in."""
-    return "messages" if options.get("messages") is not None else "text"
-
-
-def tokenize_refusal(num_tokens: int, max_tokens: int, exact: bool) -> str:
-    """Why a Tokenize of ``num_tokens`` tokens (a lower bound unless ``exact``) is refused."""
-    count = f"{num_tokens}" if exact else f"at least {num_tokens}"
-    return f"{count} tokens, more than the model's {max_tokens} positions: no request could carry it"
 
 
 def tokenize(tokenizer: Any, call: P.Tokenize) -> P.Tokenized:
