@@ -162,7 +162,7 @@ def main() -> None:
 
 def deserialize(mib: int, kind: str, repeats: int = 20) -> None:
     """The two ways the front can take an outsized submit, alternated: parsed whole and its
-    prompt read as ``requests.submit_args`` reads it (the str of its text, the list of its
+    prompt read as ``submit_spec.submit_spec`` reads it (the str of its text, the list of its
     ids), or scanned (``outsized_submit.submit_request``) and bounded from its size."""
     from qil_client._proto.qil.v1 import inference_pb2 as pb
     from qil_worker.freed_memory import map_large_blocks

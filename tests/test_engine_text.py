@@ -9,7 +9,8 @@ from engine_helpers import run_to_completion
 from qil_worker import Engine, FinishReason, InvalidRequestError, Qwen3
 from qil_worker.errors import TokenizerUnavailableError
 from qil_worker.service.worker.prompt_encoder import INLINE_CHARS, PromptEncoder
-from qil_worker.service.protocol import Submit
+from qil_worker.engine.spec import RequestSpec
+from qil_worker.service.worker.beside_loop import Pending
 from qil_worker.text import IncrementalDetokenizer, StopStringMatcher, encode_prompt, load_tokenizer
 from qil_worker.text.output import TextOutput
 
@@ -247,16 +248,17 @@ def test_detokenizer_does_not_clean_up_spaces(tok):
 def test_long_chat_prompt_keeps_enable_thinking(tok):
     msgs = [{"role": "user", "content": "hello " * (INLINE_CHARS // 5)}]
     enc = PromptEncoder(tok)
-    options = {"messages": msgs, "enable_thinking": False}
-    assert enc.takes(options)
-    enc.start(Submit("r1", None, 4, [], options))
+    spec = RequestSpec.of(messages=msgs, enable_thinking=False, max_new_tokens=4, request_id="r1")
+    assert enc.takes(spec)
+    enc.start(Pending(spec))
     while not enc.wait(5):
         pass
     ((submit, error, cancelled),) = enc.finished()
     enc.close()
     assert error is None and not cancelled
-    assert submit.token_ids == encode_prompt(tok, messages=msgs, enable_thinking=False)
-    assert "enable_thinking" not in submit.options and "messages" not in submit.options
+    prompt = submit.spec.prompt
+    assert prompt.token_ids == encode_prompt(tok, messages=msgs, enable_thinking=False)
+    assert prompt.enable_thinking is None and prompt.messages is None and prompt.field == "messages"
 
 
 def test_earliest_stop_wins_whatever_the_list_order():

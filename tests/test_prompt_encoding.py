@@ -11,6 +11,7 @@ import pytest
 from checkpoints import make_tokenizer
 from qil_worker.errors import CapacityError
 from qil_worker.service.demo_model import ensure_demo_model
+from qil_worker.engine.spec import RequestSpec
 from qil_worker.service.worker.prompt_encoder import encode_within
 from qil_worker.text import load_tokenizer
 from qil_worker.text.prompt import PIECE_CHARS, PromptRoom, PromptTooLong, encode_text, piece_ends
@@ -62,7 +63,7 @@ def test_a_huge_prompt_is_refused_at_once(tokenizers):
     for tok in tokenizers:
         t0 = time.perf_counter()
         with pytest.raises(CapacityError) as err:
-            encode_within(tok, {"text": text}, 2, room)
+            encode_within(tok, RequestSpec.of(text=text, max_new_tokens=2), room)
         assert time.perf_counter() - t0 < 0.5
         assert str(err.value).startswith("text: prompt (at least ")  # the prompt alone cannot fit
         assert "exceeds the model's 2048 positions" in str(err.value)
@@ -80,7 +81,7 @@ def test_counting_stops_in_the_pieces(tokenizers):
     assert not err.value.exact and 1000 < err.value.at_least < 100_000
     room = PromptRoom(max_positions=100_000, num_pages=8, page_size=16)
     with pytest.raises(CapacityError, match=r"needs at least \d+ KV pages but the whole pool has 8"):
-        encode_within(tok, {"text": text}, 4, room)
+        encode_within(tok, RequestSpec.of(text=text, max_new_tokens=4), room)
     assert time.perf_counter() - t0 < 0.5
     assert len(encode_text(tok, text[:20_000], max_tokens=100_000)) > 1000  # fits: every id
 
@@ -88,7 +89,7 @@ def test_counting_stops_in_the_pieces(tokenizers):
 def test_chat_messages_are_bounded_too(tokenizers):
     room = PromptRoom(max_positions=2048)
     with pytest.raises(CapacityError, match="at least"):
-        encode_within(tokenizers[0], {"messages": [{"role": "user", "content": "hi " * 2**20}]}, 2, room)
+        encode_within(tokenizers[0], RequestSpec.of(messages=[{"role": "user", "content": "hi " * 2**20}], max_new_tokens=2), room)
 
 
 def test_an_empty_chat_is_blamed_on_messages():
@@ -100,13 +101,13 @@ def test_an_empty_chat_is_blamed_on_messages():
 
 def test_outsized_jobs_release_memory_once_all_are_done(tokenizers):
     from qil_worker.freed_memory import OUTSIZED_CHARS, release_outsized
-    from qil_worker.service.protocol import Submit
+    from qil_worker.service.worker.beside_loop import Pending
     from qil_worker.service.worker.prompt_encoder import PromptEncoder
 
     assert release_outsized()  # glibc: malloc_trim is there
     enc = PromptEncoder(tokenizers[0], PromptRoom(max_positions=2048))
-    enc.start(Submit("big", None, 2, [], {"text": "x" * OUTSIZED_CHARS}))
-    enc.start(Submit("small", None, 2, [], {"text": "y" * 20000}))
+    enc.start(Pending(RequestSpec.of(text="x" * OUTSIZED_CHARS, max_new_tokens=2, request_id="big")))
+    enc.start(Pending(RequestSpec.of(text="y" * 20000, max_new_tokens=2, request_id="small")))
     assert not enc.take_outsized()  # (still encoding)
     deadline = time.monotonic() + 30
     done = []

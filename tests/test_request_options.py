@@ -14,8 +14,9 @@ from qil_client.constraints import NAMES as CONSTRAINT_NAMES
 from qil_client.options import LOGPROBS, NAMES, OPTIONS, SAMPLING, TEXT
 from qil_client.results import submit_request
 from qil_worker.cli_generate import add_generate_parser, sampling_kwargs
-from qil_worker.engine import Engine, SamplingParams
-from qil_worker.service.front.submit_args import submit_args
+from qil_worker.engine import SamplingParams
+from qil_worker.engine.spec import Prompt, RequestSpec, TextOptions
+from qil_worker.service.front.submit_spec import submit_spec
 
 # A valid value of each type, none of them a default (so that "set" is observable everywhere).
 VALUES = {float: 0.5, int: 3, bool: True}
@@ -46,11 +47,15 @@ def test_sampling_params_has_the_sampling_and_logprobs_options_and_submit_the_te
     scalar = [f.name for f in fields(SamplingParams) if f.name not in NON_SCALAR]
     assert scalar == [o.name for o in SAMPLING + LOGPROBS]
     assert NON_SCALAR <= {f.name for f in fields(SamplingParams)}
+    # the keyword form of a request (RequestSpec.of, which Engine.submit forwards to) takes each
+    # text option by name, and the spec keeps it: Prompt.enable_thinking, the TextOptions
     keyword_only = {
-        name for name, p in inspect.signature(Engine.submit).parameters.items()
+        name for name, p in inspect.signature(RequestSpec.of).parameters.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     }
     assert {o.name for o in TEXT} <= keyword_only
+    kept = {f.name for f in fields(Prompt)} | {f.name for f in fields(TextOptions)}
+    assert {o.name for o in TEXT} <= kept
 
 
 def test_submit_request_takes_each_option_as_a_keyword_argument():
@@ -89,16 +94,15 @@ def test_every_option_goes_from_the_client_cli_through_the_front_to_the_engine()
         argv += [o.flag] if o.type is bool else [o.flag, str(VALUES[o.type])]
     kw = request_kwargs(client_parser().parse_args(argv))
     assert set(NAMES) <= set(kw)
-    args = submit_args(submit_request(**kw))
-    assert set(args.options) - {"messages"} == set(NAMES) | NON_SCALAR
-    sampling = SamplingParams.from_kwargs(
-        **{name: args.options[name] for name in [o.name for o in SAMPLING + LOGPROBS] + sorted(NON_SCALAR)}
-    )
-    sampling.validate(args.max_new_tokens)
+    spec = submit_spec(submit_request(**kw))
     expected = SamplingParams(
         **{o.name: VALUES[o.type] for o in SAMPLING}, logprobs=True, top_logprobs=2, prompt_logprobs=1,
         logit_bias=((2, 3.0), (5, -1.5)),
     )
-    assert sampling == expected
-    assert args.options["enable_thinking"] is True and args.options["skip_special_tokens"] is False
-    assert args.options["include_stop_string"] is True
+    assert spec.sampling == expected
+    # every option reached the spec: none is left at its default
+    defaults = SamplingParams()
+    assert all(getattr(spec.sampling, name) != getattr(defaults, name)
+               for name in [o.name for o in SAMPLING + LOGPROBS] + sorted(NON_SCALAR))
+    assert spec.prompt.enable_thinking is True and spec.text.skip_special_tokens is False
+    assert spec.text.include_stop_string is True and spec.max_new_tokens == 8

@@ -204,13 +204,14 @@ def test_submit_frames_of_a_session_carry_the_constraint(client):
 
 def test_the_oneof_carries_each_constraint_to_the_front_and_an_empty_choice_list_too():
     from qil_client.results import submit_request
-    from qil_worker.service.front.submit_args import submit_args
+    from qil_worker.service.front.submit_spec import submit_spec
+    from qil_worker.structured.spec import ConstraintSpec
 
-    assert submit_args(submit_request([1], json_object=True)).options == {"json_object": True}
-    assert "json_object" not in submit_args(pb.SubmitRequest(token_ids=[1], json_object=False)).options
-    assert submit_args(submit_request([1], choice=["a", "b"])).options == {"choice": ["a", "b"]}
+    assert submit_spec(submit_request([1], json_object=True)).constraint == ConstraintSpec("json_object", True)
+    assert submit_spec(pb.SubmitRequest(token_ids=[1], json_object=False)).constraint is None
+    assert submit_spec(submit_request([1], choice=["a", "b"])).constraint == ConstraintSpec("choice", ("a", "b"))
     with pytest.raises(ServiceError) as exc:
-        submit_args(submit_request([1], choice=[]))
+        submit_spec(submit_request([1], choice=[]))
     assert exc.value.field == "choice" and exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 

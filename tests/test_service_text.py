@@ -324,13 +324,14 @@ def test_a_worker_exits_without_waiting_for_a_prompt_still_being_encoded():
     script = (
         "import threading, time\n"
         "from qil_worker.service.worker.prompt_encoder import PromptEncoder\n"
-        "from qil_worker.service.protocol import Submit\n"
+        "from qil_worker.engine.spec import RequestSpec\n"
+        "from qil_worker.service.worker.beside_loop import Pending\n"
         "started = threading.Event()\n"
         "class Slow:\n"
         "    def encode(self, text, add_special_tokens=False):\n"
         "        started.set(); time.sleep(30); return [1]\n"  # the slow encode under test
         "enc = PromptEncoder(Slow())\n"
-        "enc.start(Submit('r1', None, 4, [], {'text': 'x' * 20000}))\n"
+        "enc.start(Pending(RequestSpec.of(text='x' * 20000, max_new_tokens=4, request_id='r1')))\n"
         "assert started.wait(30)\n"
         "enc.close()\n"
     )

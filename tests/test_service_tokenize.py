@@ -346,6 +346,7 @@ def test_a_long_tokenize_runs_beside_the_loop_while_another_request_ends(text_di
     thread; meanwhile a submit gets its ack and runs to its end, and a short Tokenize is answered
     in the loop. Once released, the long one's answer comes, with the tokenizer's ids."""
     from qil_worker import Engine, Qwen3
+    from qil_worker.engine.spec import RequestSpec
     from qil_worker.service import protocol as P
     from qil_worker.service.worker import loop as worker
     from qil_worker.service.worker.prompt_encoder import INLINE_CHARS
@@ -360,7 +361,7 @@ def test_a_long_tokenize_runs_beside_the_loop_while_another_request_ends(text_di
     long_text = "hello world " * (INLINE_CHARS // 10)
     front.send(P.Tokenize(1, long_text, None, None))
     assert tokenizer.blocked.wait(30)  # the encoding thread holds it
-    front.send(P.Submit("fast", [1, 2, 3], 4, [], {"ignore_eos": True}))
+    front.send(P.Submit(RequestSpec.of([1, 2, 3], 4, [], "fast", ignore_eos=True)))
     front.send(P.Tokenize(2, "hello", None, None))
     seen = []
     while not any(isinstance(m, P.StepBatch) and "fast" in m.finals for m in seen):

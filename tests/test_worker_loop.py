@@ -7,6 +7,7 @@ import queue
 import threading
 
 from qil_worker import Engine
+from qil_worker.engine.spec import RequestSpec
 from qil_worker.service import protocol as P
 from qil_worker.service.worker import loop as worker
 
@@ -41,7 +42,7 @@ def _run_loop(engine, monkeypatch, gap_s: float, window_s: float):
 
 
 def _submit(conn, rid: str) -> None:
-    conn.send(P.Submit(rid, [1, 2, 3], 2, [], {}))
+    conn.send(P.Submit(RequestSpec.of([1, 2, 3], 2, [], rid)))
 
 
 def _first_step_acks(conn) -> list[str]:
@@ -133,8 +134,8 @@ def test_a_long_text_prompt_is_tokenized_beside_the_step_loop(tmp_path, monkeypa
     front, back = multiprocessing.Pipe()
     loop = threading.Thread(target=worker._serve, args=(back, engine, os.getppid()), daemon=True)
     loop.start()
-    front.send(P.Submit("slow", None, 4, [], {"text": "hello there"}))
-    front.send(P.Submit("fast", [1, 2, 3], 4, [], {"ignore_eos": True}))
+    front.send(P.Submit(RequestSpec.of(None, 4, [], "slow", text="hello there")))
+    front.send(P.Submit(RequestSpec.of([1, 2, 3], 4, [], "fast", ignore_eos=True)))
     seen: list = []
     _until_final(front, "fast", seen)
     assert ("ack", "fast", None) in seen and not any(rid == "slow" for _, rid, _ in seen)
@@ -143,7 +144,7 @@ def test_a_long_text_prompt_is_tokenized_beside_the_step_loop(tmp_path, monkeypa
     _until_final(front, "slow", seen)
     assert ("ack", "slow", None) in seen  # submitted once encoded ...
     assert ("event", "slow", P.FinishReason.CANCELLED) in seen  # ... and cancelled at once
-    front.send(P.Submit("bad", None, 4, [], {"messages": [{"role": "robot", "content": "a long one"}]}))
+    front.send(P.Submit(RequestSpec.of(None, 4, [], "bad", messages=[{"role": "robot", "content": "a long one"}])))
     while True:  # an encoding error is the submit's answer, as before
         assert front.poll(30)
         acks = front.recv().acks
@@ -164,7 +165,7 @@ def test_every_step_sends_one_batch_with_the_pool_numbers_after_it(model, monkey
     record carries the request's counts and metrics."""
     engine = Engine(model, num_pages=64, page_size=4, token_budget=8, prefill_chunk=8)
     front, _, loop = _run_loop(engine, monkeypatch, gap_s=0.0, window_s=0.0)
-    front.send(P.Submit("long", list(range(1, 30)), 2, [], {}))  # 29 prompt tokens: 4 chunks
+    front.send(P.Submit(RequestSpec.of(list(range(1, 30)), 2, [], "long")))  # 29 prompt tokens: 4 chunks
     batches = []
     while not batches or "long" not in batches[-1].finals:
         assert front.poll(30), "the worker stopped answering"
@@ -210,11 +211,11 @@ def test_a_constraint_is_compiled_beside_the_step_loop(tmp_path, monkeypatch):
     loop = threading.Thread(target=worker._serve, args=(back, engine, os.getppid()), daemon=True)
     loop.start()
     seen: list = []
-    front.send(P.Submit("choice", [1, 2], 8, [], {"choice": ["yes", "no"]}))
+    front.send(P.Submit(RequestSpec.of([1, 2], 8, [], "choice", choice=["yes", "no"])))
     _until_final(front, "choice", seen)
-    front.send(P.Submit("slow", [1, 2], 4, [], {"json_schema": '{"type":"object"}'}))
-    front.send(P.Submit("fast", [1, 2, 3], 4, [], {"ignore_eos": True}))
-    front.send(P.Submit("again", None, 8, [], {"text": "hello there", "choice": ["yes", "no"]}))
+    front.send(P.Submit(RequestSpec.of([1, 2], 4, [], "slow", json_schema='{"type":"object"}')))
+    front.send(P.Submit(RequestSpec.of([1, 2, 3], 4, [], "fast", ignore_eos=True)))
+    front.send(P.Submit(RequestSpec.of(None, 8, [], "again", text="hello there", choice=["yes", "no"])))
     for rid in ("fast", "again"):  # in either order
         if not any(kind == "event" and r == rid and reason for kind, r, reason in seen):
             _until_final(front, rid, seen)
@@ -225,7 +226,7 @@ def test_a_constraint_is_compiled_beside_the_step_loop(tmp_path, monkeypatch):
     _until_final(front, "slow", seen)
     assert ("ack", "slow", None) in seen  # submitted once compiled ...
     assert ("event", "slow", P.FinishReason.CANCELLED) in seen  # ... and cancelled at once
-    front.send(P.Submit("bad", None, 4, [], {"text": "hello there", "regex": "([a-z"}))
+    front.send(P.Submit(RequestSpec.of(None, 4, [], "bad", text="hello there", regex="([a-z")))
     while True:  # a compile error is the submit's answer
         assert front.poll(30)
         acks = front.recv().acks

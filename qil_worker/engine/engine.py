@@ -28,6 +28,7 @@ from qil_worker.engine.request import Request
 from qil_worker.engine.sampler import Sampler
 from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.engine.scheduler import ScheduledChunk, Scheduler
+from qil_worker.engine.spec import DEFAULT_MAX_NEW_TOKENS, RequestSpec
 from qil_worker.engine.validation import validate_submit
 from qil_worker.errors import (
     DeviceFailedError,
@@ -39,7 +40,6 @@ from qil_worker.errors import (
 )
 from qil_worker.kv import KVCache, PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.model import Qwen3
-from qil_worker.request_limits import check_stop_strings
 from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.text.output import TextOutput
@@ -238,32 +238,24 @@ class Engine:
 
     def submit(
         self,
-        token_ids: Sequence[int] | None = None,
-        max_new_tokens: int = 16,
+        token_ids: RequestSpec | Sequence[int] | None = None,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
         sampling: SamplingParams | None = None,
         *,
-        text: str | None = None,
-        messages: Sequence[dict[str, str]] | None = None,
-        enable_thinking: bool | None = None,
-        stop_strings: Sequence[str] | None = None,
-        include_stop_string: bool = False,
-        skip_special_tokens: bool = True,
-        json_schema: str | dict | None = None,
-        json_object: bool | None = None,
-        regex: str | None = None,
-        grammar: str | None = None,
-        choice: Sequence[str] | None = None,
         constraint: CompiledConstraint | None = None,
-        **sampling_fields: object,
+        **options: Any,
     ) -> str:
         """Queue a request and return its id; invalid or impossible requests raise at once.
 
-        The prompt is ``token_ids``, or ``text`` / chat ``messages`` when the engine has a
-        tokenizer. Sampling is given as ``sampling=SamplingParams(...)`` or as its fields, e.g.
-        ``temperature=0.7, top_p=0.9, seed=1``; the default is greedy. With a tokenizer, events
-        carry text deltas and ``stop_strings`` end the request when the text contains one.
+        The request is a ``RequestSpec`` (``qil_worker.engine.spec``: what the service sends), or
+        its keyword form (``RequestSpec.of``): the prompt is ``token_ids``, or ``text`` / chat
+        ``messages`` (with ``enable_thinking``) when the engine has a tokenizer. Sampling is given
+        as ``sampling=SamplingParams(...)`` or as its fields, e.g. ``temperature=0.7, top_p=0.9,
+        seed=1``; the default is greedy. With a tokenizer, events carry text deltas and
+        ``stop_strings`` end the request when the text contains one (``include_stop_string``,
+        ``skip_special_tokens``).
 
         Structured output (needs the tokenizer and the ``structured`` extra): at most one of
         ``json_schema`` (a JSON Schema, str or dict), ``json_object=True`` (any JSON object),
@@ -276,35 +268,40 @@ class Engine:
         ``n`` (a sampling field): that many samples of the prompt, computed once; each event
         and result then carries its ``sample_index`` (see ``qil_worker.engine.samples``).
         """
+        if isinstance(token_ids, RequestSpec):
+            if options or sampling is not None or stop_token_ids is not None or request_id is not None:
+                raise TypeError("pass a RequestSpec alone (or the keyword form without one)")
+            spec = token_ids
+        else:
+            spec = RequestSpec.of(token_ids, max_new_tokens, stop_token_ids, request_id, sampling, **options)
+        return self._admit(spec, constraint)
+
+    def _admit(self, spec: RequestSpec, constraint: CompiledConstraint | None) -> str:
+        """``submit`` of a spec: the checks that need the model, the pool and the tokenizer,
+        then the request (and its samples) into the scheduler."""
         self._check_open()
-        prompt_field = "token_ids"
-        if text is not None or messages is not None:
-            if token_ids is not None:
-                raise InvalidRequestError("prompt", "give token ids, text or messages, not several")
-            token_ids = encode_prompt(self.tokenizer, text, messages, enable_thinking)
-            prompt_field = "messages" if messages is not None else "text"
-        if stop_strings and self.tokenizer is None:
+        prompt_spec = spec.prompt
+        token_ids = prompt_spec.token_ids
+        if prompt_spec.is_text:
+            token_ids = encode_prompt(self.tokenizer, prompt_spec.text, prompt_spec.messages, prompt_spec.enable_thinking)
+        text_options = spec.text
+        if text_options.stop_strings and self.tokenizer is None:
             raise TokenizerUnavailableError(
                 "stop strings need a tokenizer; this engine has none", field="stop_strings"
             )
-        if stop_strings is not None:
-            stop_strings = check_stop_strings(stop_strings)
         prompt, stops = validate_submit(
-            token_ids, max_new_tokens, stop_token_ids, request_id,
-            self.model.config, self.pool.total, self.page_size, prompt_field,
+            token_ids, spec.max_new_tokens, spec.stop_token_ids, self.model.config, self.pool.total,
+            self.page_size, prompt_spec.field,
         )
-        if sampling is None:
-            sampling = SamplingParams.from_kwargs(**sampling_fields)
-        elif sampling_fields:
-            raise TypeError("pass either sampling= or sampling fields, not both")
-        sampling.validate(max_new_tokens, vocab_size=self.model.config.vocab_size)
+        sampling, max_new_tokens = spec.sampling, spec.max_new_tokens
+        sampling.check_vocab(self.model.config.vocab_size)
         scored_prompt = prompt_logprobs.PromptLogprobs.asked(sampling.prompt_logprobs, len(prompt))
-        spec = ConstraintSpec.from_kwargs(json_schema, json_object, regex, grammar, choice)
-        if spec is not None and constraint is not None:
-            raise InvalidRequestError(spec.kind, "give a constraint or a compiled constraint=, not both")
+        if spec.constraint is not None and constraint is not None:
+            raise InvalidRequestError(spec.constraint.kind, "give a constraint or a compiled constraint=, not both")
         if constraint is not None and not isinstance(constraint, CompiledConstraint):
             raise TypeError(f"constraint must be a CompiledConstraint, got {type(constraint).__name__}")
         samples.check_fits(sampling.n, len(prompt), max_new_tokens, self.scheduler, self.page_size)
+        request_id = spec.request_id
         if request_id in self._requests:
             # active, or cancelled with its final event not yet handed out: reusing the id now
             # would interleave two requests' events under one id
@@ -313,10 +310,17 @@ class Engine:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests or request_id in self._results:
                 request_id = f"req-{next(self._ids)}"
-        if spec is not None:
-            constraint = self.compile_constraint(spec)
+        if spec.constraint is not None:
+            constraint = self.compile_constraint(spec.constraint)
         if constraint is not None and constraint.vocab_size != self.model.config.vocab_size:
             raise ValueError("the constraint was compiled for another model's vocabulary")
+
+        def text_output() -> TextOutput | None:
+            if self.tokenizer is None:
+                return None
+            return TextOutput(self.tokenizer, text_options.stop_strings, text_options.include_stop_string,
+                              text_options.skip_special_tokens)
+
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -327,18 +331,14 @@ class Engine:
             sampling=sampling,
             page_hashes=page_hashes(prompt, self.page_size) if self.prefix_cache is not None else [],
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
-            text=None
-            if self.tokenizer is None
-            else TextOutput(self.tokenizer, stop_strings or (), include_stop_string, skip_special_tokens),
+            text=text_output(),
             prompt_logprobs=scored_prompt,
             grammar=constraint.new_matcher() if constraint is not None else None,
         )
         if sampling.n > 1:
 
             def fresh(sample: Request) -> None:
-                sample.text = None if self.tokenizer is None else TextOutput(
-                    self.tokenizer, stop_strings or (), include_stop_string, skip_special_tokens
-                )
+                sample.text = text_output()
                 sample.grammar = constraint.new_matcher() if constraint is not None else None
 
             samples.make_samples(request, sampling.n, fresh)

@@ -79,11 +79,6 @@ class SamplingParams:
             raise InvalidRequestError(unknown[0], "unknown sampling parameter")
         return cls(**kwargs)  # type: ignore[arg-type]
 
-    @classmethod
-    def picked(cls, options: Mapping[str, object]) -> "SamplingParams":
-        """The sampling fields among a submit's keyword ``options`` (the others are not its)."""
-        return cls(**{name: value for name, value in options.items() if name in _FIELDS})  # type: ignore[arg-type]
-
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
@@ -120,6 +115,12 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         self._validate_logit_bias(vocab_size)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """After ``validate``: the logit_bias ids are under the model's ``vocab_size``."""
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:  # sorted by id
+            token = self.logit_bias[-1][0]
+            raise InvalidRequestError("logit_bias", f"token id {token} is outside [0, {vocab_size})")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias
@@ -159,9 +160,6 @@ def _number(
             "]" if high is not None else ")"
         )
         raise InvalidRequestError(field, f"must be in {bound}, got {value!r}")
-
-
-_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 def _integer(field: str, value: object, low: int, high: int | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Checks a request must pass before it is queued, each failing with the field it concerns."""
+"""The checks of a request that need the model and the pool (the rest are ``RequestSpec``'s),
+each failing with the field it concerns."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from collections.abc import Sequence
 from qil_worker.config import Qwen3Config
 from qil_worker.errors import CapacityError, InvalidRequestError
 from qil_worker.kv.page_table import pages_for
-from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH
 
 
 def token_list(field: str, values: Sequence[int], vocab_size: int) -> list[int]:
@@ -28,27 +28,19 @@ def token_list(field: str, values: Sequence[int], vocab_size: int) -> list[int]:
 def validate_submit(
     token_ids: Sequence[int],
     max_new_tokens: int,
-    stop_token_ids: Sequence[int] | None,
-    request_id: str | None,
+    stop_token_ids: Sequence[int],
     config: Qwen3Config,
     num_pages: int,
     page_size: int,
     prompt_field: str = "token_ids",
 ) -> tuple[list[int], list[int]]:
-    """Return the prompt and stop ids as lists, or raise ``InvalidRequestError``/``CapacityError``
-    (naming ``prompt_field``, the prompt's form, when the prompt alone cannot fit)."""
-    if request_id is not None and (
-        not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH
-    ):
-        raise InvalidRequestError(
-            "request_id", f"must be a non-empty string of at most {MAX_REQUEST_ID_LENGTH} characters"
-        )
+    """The prompt and stop ids of a ``RequestSpec`` (already valid in itself) as lists, checked
+    against the model and the pool: ``InvalidRequestError``/``CapacityError``, naming
+    ``prompt_field`` (the prompt's form) when the prompt alone cannot fit."""
     prompt = token_list("token_ids", token_ids, config.vocab_size)
     if not prompt:
         raise InvalidRequestError("token_ids", "the prompt is empty")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {max_new_tokens!r}")
-    stops = token_list("stop_token_ids", stop_token_ids or [], config.vocab_size)
+    stops = token_list("stop_token_ids", stop_token_ids, config.vocab_size)
     total = len(prompt) + max_new_tokens
     if total > config.max_position_embeddings:
         raise CapacityError.positions(len(prompt), max_new_tokens, config.max_position_embeddings, prompt_field)

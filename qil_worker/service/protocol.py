@@ -31,7 +31,8 @@ from __future__ import annotations
 import enum
 import operator
 from dataclasses import dataclass, field, fields
-from typing import Any
+
+from qil_worker.engine.spec import RequestSpec  # torch-free
 
 
 def message(cls: type) -> type:
@@ -86,15 +87,13 @@ class RejectKind(str, enum.Enum):
 
 @message
 class Submit:
-    """Queue a request: ``Engine.submit(token_ids, max_new_tokens, stop_token_ids, request_id,
-    **options)``; ``token_ids`` None means the prompt is ``options["text"]`` or
-    ``options["messages"]``. ``options`` holds only what the client set."""
+    """Queue a request: ``Engine.submit(spec)``, the spec whole (its id given by the front)."""
 
-    request_id: str
-    token_ids: list[int] | None
-    max_new_tokens: int
-    stop_token_ids: list[int]
-    options: dict[str, Any]
+    spec: RequestSpec
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id  # type: ignore[return-value]  # (the front always sets it)
 
 
 @message

@@ -16,9 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from qil_worker.engine.sampling_params import SamplingParams  # torch-free
-from qil_worker.errors import CapacityError, InvalidRequestError
-from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH, check_stop_strings
+from qil_worker.engine.spec import Prompt, RequestSpec  # torch-free
+from qil_worker.errors import CapacityError
+from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH
 from qil_worker.service.front import limits
 from qil_worker.service import protocol as P
 from qil_worker.service.front.calls_in_flight import CallsInFlight
@@ -37,7 +37,7 @@ from qil_worker.service.front.requests_in_flight import RequestsInFlight
 from qil_worker.service.front.supervisor import RestartPolicy, WorkerSupervisor
 from qil_worker.service.front.worker_process import WorkerState
 from qil_worker.freed_memory import OUTSIZED_CHARS, map_large_blocks, release_outsized
-from qil_worker.text.prompt import ROLES, PromptRoom, PromptTooLong, prompt_chars, prompt_field, tokenize_refusal
+from qil_worker.text.prompt import ROLES, PromptRoom, PromptTooLong, prompt_chars, tokenize_refusal
 from qil_worker.text.tokenizer import min_tokens
 
 # When to release after an outsized request: its message outlives ``submit`` until the RPC
@@ -54,17 +54,17 @@ def release_outsized_later() -> None:
 
 
 @contextlib.contextmanager
-def _released_when_outsized(options: dict[str, Any]) -> Iterator[None]:
-    """Around a submit of ``options``: after an outsized text or messages prompt, drop it from
-    ``options`` (a refusal's traceback keeps the frames, and gRPC keeps the last call's) and give
-    the freed memory back once the call is over (``release_outsized_later``)."""
-    outsized = prompt_chars(options.get("text"), options.get("messages")) >= OUTSIZED_CHARS
+def _released_when_outsized(spec: RequestSpec) -> Iterator[None]:
+    """Around a submit of ``spec``: after an outsized text or messages prompt, drop it from the
+    spec (a refusal's traceback keeps the frames, and gRPC keeps the last call's) and give the
+    freed memory back once the call is over (``release_outsized_later``)."""
+    prompt = spec.prompt
+    outsized = prompt_chars(prompt.text, prompt.messages) >= OUTSIZED_CHARS
     try:
         yield
     finally:
         if outsized:
-            options.pop("text", None)
-            options.pop("messages", None)
+            prompt.forget_text()
             release_outsized_later()
 
 
@@ -106,10 +106,10 @@ class FrontConfig:
     max_stream_backlog: int = limits.MAX_STREAM_BACKLOG
 
 
-def _min_prompt_tokens(options: dict[str, Any], max_token_bytes: int, normal_form: str | None) -> int:
+def _min_prompt_tokens(prompt: Prompt, max_token_bytes: int, normal_form: str | None) -> int:
     """``text.tokenizer.min_tokens`` of a text or chat prompt (0 for malformed messages: the
     worker names the message at fault first)."""
-    text, messages = options.get("text"), options.get("messages")
+    text, messages = prompt.text, prompt.messages
     if messages and any(m.get("role") not in ROLES for m in messages):
         return 0
     texts = [text] if isinstance(text, str) else [m["content"] for m in messages or ()]
@@ -276,64 +276,37 @@ class Front:
             too_long = room.refusal(PromptTooLong(bound, exact=False), max_new_tokens, prompt_field)
             raise from_worker_rejection(*classify_engine_error(too_long))
 
-    def _check_contents(self, max_new_tokens: int, options: dict[str, Any]) -> None:
-        """Refuse, by the engine's own rules, the counts and values of a request before anything
-        is made from them (a record per sample, say: ``n`` may be 4294967295 on the wire), so
-        that both fronts refuse what the engine would, naming the same field."""
-        try:
-            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-                raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {max_new_tokens!r}")
-            if options.get("stop_strings") is not None:
-                check_stop_strings(options["stop_strings"])
-            vocab_size = self.info.vocab_size if self.info is not None else None
-            SamplingParams.picked(options).validate(max_new_tokens, vocab_size=vocab_size)
-        except InvalidRequestError as exc:
-            raise from_worker_rejection(*classify_engine_error(exc)) from None
-
-    def refuse_unfit(
-        self, request_id: str, max_new_tokens: int, prompt: PromptSize, options: dict[str, Any]
-    ) -> None:
+    def refuse_unfit(self, request_id: str, max_new_tokens: int, prompt: PromptSize) -> None:
         """For a request known, before its prompt is decoded, by its prompt's size
         (``outsized_submit``): raise what ``submit`` would raise for it before reaching the
         worker when that size alone refuses it; return when it does not (the caller then
         parses the request whole and submits it)."""
         self._admit(request_id)
-        self._check_contents(max_new_tokens, options)
         if prompt.given == ["token_ids"]:
-            self._refuse_too_many_ids(prompt.num_token_ids, int(max_new_tokens))
+            self._refuse_too_many_ids(prompt.num_token_ids, max_new_tokens)
         elif self.info is not None:
-            self._refuse_text_too_long(prompt.min_tokens, int(max_new_tokens), prompt.given[0])
+            self._refuse_text_too_long(prompt.min_tokens, max_new_tokens, prompt.given[0])
 
-    async def submit(
-        self,
-        request_id: str,
-        token_ids: Iterable[int] | None,
-        max_new_tokens: int,
-        stop_token_ids: Iterable[int] = (),
-        options: dict[str, Any] | None = None,
-    ) -> FrontRequest:
+    async def submit(self, request_id: str, spec: RequestSpec) -> FrontRequest:
         """Queue a request in the worker; returns once the engine accepted it.
 
-        ``token_ids`` None: the prompt is ``options["text"]`` or ``options["messages"]``;
-        ``options``: further ``Engine.submit`` keyword arguments (see ``requests.submit_args``).
-        After an outsized text prompt the process gives its freed memory back, once the call
-        that carried it is over (``freed_memory``); its text or messages are then dropped from
-        ``options``.
+        ``spec`` is valid in itself (it was checked when made, before anything was built from
+        it); ``request_id`` is the caller's (empty: the front names it). After an outsized text
+        prompt the process gives its freed memory back, once the call that carried it is over
+        (``freed_memory``).
         """
-        opts = options if options is not None else {}
-        with _released_when_outsized(opts):
+        with _released_when_outsized(spec):
             rid = self._admit(request_id)
-            self._check_contents(max_new_tokens, opts)
-            tokens = None if token_ids is None else list(token_ids)
-            if tokens is not None:
-                self._refuse_too_many_ids(len(tokens), max_new_tokens)
+            prompt, max_new_tokens = spec.prompt, spec.max_new_tokens
+            if prompt.token_ids is not None:
+                self._refuse_too_many_ids(len(prompt.token_ids), max_new_tokens)
             elif self.info is not None:
                 self._refuse_text_too_long(
-                    lambda max_token_bytes, normal_form: _min_prompt_tokens(opts, max_token_bytes, normal_form),
-                    int(max_new_tokens), prompt_field(opts),
+                    lambda max_token_bytes, normal_form: _min_prompt_tokens(prompt, max_token_bytes, normal_form),
+                    max_new_tokens, prompt.field,
                 )
-            req, acked = self.requests.add(rid, len(tokens or ()), opts.get("n", 1))
-            self.supervisor.send(P.Submit(rid, tokens, int(max_new_tokens), list(stop_token_ids), dict(opts)))
+            req, acked = self.requests.add(rid, len(prompt.token_ids or ()), spec.sampling.n)
+            self.supervisor.send(P.Submit(spec.with_id(rid)))
             try:
                 ack = await acked
             except asyncio.CancelledError:
@@ -427,10 +400,10 @@ class Front:
             return None
         limit = info.max_position_embeddings
         if info.max_token_bytes and (text is not None or messages is not None):
-            options = {"text": text, "messages": messages}
-            bound = _min_prompt_tokens(options, info.max_token_bytes, info.normal_form)
+            prompt = Prompt(text=text, messages=messages)
+            bound = _min_prompt_tokens(prompt, info.max_token_bytes, info.normal_form)
             if bound > limit:
-                raise invalid(prompt_field(options), tokenize_refusal(bound, limit, exact=False))
+                raise invalid(prompt.field, tokenize_refusal(bound, limit, exact=False))
         return limit
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:

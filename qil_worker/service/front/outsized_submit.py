@@ -49,7 +49,7 @@ class PromptSize:
 
     @property
     def given(self) -> list[str]:
-        """The prompt forms given, as ``requests.submit_args`` tells them from the message."""
+        """The prompt forms given, as ``submit_spec.submit_spec`` tells them from the message."""
         return [name for name, present in (
             ("token_ids", self.num_token_ids > 0),
             ("text", self.text.num_bytes > 0),

@@ -18,7 +18,7 @@ from qil_worker.service.front.front import Front
 from qil_worker.service.protocol import WorkerInfo
 from qil_worker.service.front.request_log import FrontRequest
 from qil_worker.service.front.outsized_submit import OutsizedSubmit, stream_events_request, submit_request
-from qil_worker.service.front.submit_args import refuse_unfit, submit_to
+from qil_worker.service.front.submit_spec import refuse_unfit, submit_to
 from qil_worker.service.front.session import StreamSession
 from qil_worker.service.front.streams import (
     Subscription,

@@ -17,7 +17,7 @@ from qil_worker.service.errors import ServiceError, invalid, not_found, unavaila
 from qil_worker.service.front.front import Front
 from qil_worker.service.front.request_log import FrontRequest
 from qil_worker.service.front.outsized_submit import OutsizedSubmit
-from qil_worker.service.front.submit_args import refuse_unfit, submit_to
+from qil_worker.service.front.submit_spec import refuse_unfit, submit_to
 from qil_worker.service.front.streams import (
     Subscription,
     WriteClock,

@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from qil_worker.service.protocol import Submit
+from qil_worker.engine.spec import RequestSpec
 
 
 def run_now(fn: Callable[..., Any], *args: Any) -> Future:
@@ -65,9 +65,22 @@ class SideThread:
         self._queue.put(None)
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A submit on its way into the engine: its spec (once encoded, its prompt as ids) and,
+    once compiled, its constraint (``Engine.submit(spec, constraint=compiled)``)."""
+
+    spec: RequestSpec
+    compiled: Any = None  # a structured.matcher.CompiledConstraint
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id  # type: ignore[return-value]  # (the front always sets it)
+
+
 @dataclass
 class _Waiting:
-    submit: Submit
+    submit: Pending
     ready: Future
     cancelled: bool = field(default=False)
 
@@ -78,7 +91,7 @@ class WaitingSubmits:
     def __init__(self) -> None:
         self._waiting: dict[str, _Waiting] = {}
 
-    def add(self, submit: Submit, ready: Future, cancelled: bool = False) -> None:
+    def add(self, submit: Pending, ready: Future, cancelled: bool = False) -> None:
         """``cancelled``: a cancel for it came already."""
         self._waiting[submit.request_id] = _Waiting(submit, ready, cancelled)
 
@@ -97,7 +110,7 @@ class WaitingSubmits:
     def futures(self) -> list[Future]:
         return [w.ready for w in self._waiting.values()]
 
-    def finished(self, prepared: Callable[[Submit, Any], Submit]) -> list[tuple[Submit, BaseException | None, bool]]:
+    def finished(self, prepared: Callable[[Pending, Any], Pending]) -> list[tuple[Pending, BaseException | None, bool]]:
         """``(submit, error, cancelled)`` for every submit whose future is done, in submission
         order: ``prepared(submit, result)``, or the original submit when the future raised
         ``error``; and whether a cancel came meanwhile."""

@@ -20,13 +20,12 @@ import collections
 import dataclasses
 import logging
 import threading
-from concurrent.futures import Future
 from typing import Any
 
+from qil_worker.engine.spec import RequestSpec
 from qil_worker.errors import InvalidRequestError
-from qil_worker.service.worker.beside_loop import SideThread, WaitingSubmits, run_now, wait_any
-from qil_worker.service.protocol import Submit
-from qil_worker.structured.spec import CONSTRAINT_KINDS, ConstraintSpec
+from qil_worker.service.worker.beside_loop import Pending, SideThread, WaitingSubmits, run_now, wait_any
+from qil_worker.structured.spec import ConstraintSpec
 
 log = logging.getLogger("qil.worker")
 
@@ -47,22 +46,18 @@ class ConstraintCompiles:
         self._recent_lock = threading.Lock()
 
     @staticmethod
-    def takes(options: dict[str, Any]) -> bool:
-        """Whether a submit asks for a constraint (``json_object`` False asks for none)."""
-        return any(options.get(kind) not in (None, False) for kind in CONSTRAINT_KINDS)
+    def takes(spec: RequestSpec) -> bool:
+        """Whether a submit asks for a constraint."""
+        return spec.constraint is not None
 
-    def start(self, submit: Submit, cancelled: bool = False) -> None:
-        """Begin compiling a ``Submit``'s constraint (``cancelled``: a cancel came already)."""
-        try:
-            spec = ConstraintSpec.from_kwargs(**{k: submit.options.get(k) for k in CONSTRAINT_KINDS})
-        except Exception as exc:  # noqa: BLE001 - rejected with its submit, in order
-            compiled: Future = Future()
-            compiled.set_exception(exc)
-        else:
-            with self._recent_lock:
-                recent = spec in self._recent
-            # a cache hit (or its remembered refusal) needs no thread hop
-            compiled = run_now(self._compile, spec) if recent else self._thread.run(self._compile, spec)
+    def start(self, submit: Pending, cancelled: bool = False) -> None:
+        """Begin compiling a submit's constraint (``cancelled``: a cancel came already)."""
+        constraint = submit.spec.constraint
+        assert constraint is not None
+        with self._recent_lock:
+            recent = constraint in self._recent
+        # a cache hit (or its remembered refusal) needs no thread hop
+        compiled = run_now(self._compile, constraint) if recent else self._thread.run(self._compile, constraint)
         self._waiting.add(submit, compiled, cancelled)
 
     def _compile(self, spec: ConstraintSpec) -> Any:
@@ -96,14 +91,12 @@ class ConstraintCompiles:
         """Block up to ``timeout`` for a compile to finish; whether one has."""
         return wait_any(self._waiting.futures(), timeout)
 
-    def finished(self) -> list[tuple[Submit, BaseException | None, bool]]:
+    def finished(self) -> list[tuple[Pending, BaseException | None, bool]]:
         """``(submit, error, cancelled)`` for every compile done since the last call, in
-        submission order: the ``Submit`` with its constraint compiled (``options["constraint"]``,
-        the original when compiling raised ``error``), and whether a cancel came meanwhile."""
-        def prepared(submit: Submit, constraint: Any) -> Submit:
-            options = {k: v for k, v in submit.options.items() if k not in CONSTRAINT_KINDS}
-            options["constraint"] = constraint
-            return dataclasses.replace(submit, options=options)
+        submission order: the submit with its constraint compiled (the original when compiling
+        raised ``error``), and whether a cancel came meanwhile."""
+        def prepared(submit: Pending, compiled: Any) -> Pending:
+            return Pending(dataclasses.replace(submit.spec, constraint=None), compiled)
 
         return self._waiting.finished(prepared)
 

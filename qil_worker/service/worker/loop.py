@@ -33,6 +33,7 @@ from qil_worker.service.errors import classify_engine_error
 from qil_worker.service.worker.constraint_compiles import ConstraintCompiles
 from qil_worker.service.heap import freeze_startup_heap
 from qil_worker.freed_memory import release_outsized
+from qil_worker.service.worker.beside_loop import Pending
 from qil_worker.service.worker.prompt_encoder import PromptEncoder, PromptRoom
 from qil_worker.service.worker.tokenizer_calls import detokenize, tokenize
 
@@ -313,18 +314,13 @@ def pool_stats(engine: Any) -> P.PoolStats:
     )
 
 
-def submit(engine: Any, msg: P.Submit, error: BaseException | None = None) -> P.Ack:
-    """Queue a ``Submit`` in the engine (``error``: why its prompt could not be encoded)."""
+def submit(engine: Any, msg: Pending, error: BaseException | None = None) -> P.Ack:
+    """Queue a submit in the engine (``error``: why its prompt could not be encoded or its
+    constraint compiled)."""
     try:
         if error is not None:
             raise error
-        engine.submit(
-            msg.token_ids,
-            max_new_tokens=msg.max_new_tokens,
-            stop_token_ids=msg.stop_token_ids or None,
-            request_id=msg.request_id,
-            **msg.options,
-        )
+        engine.submit(msg.spec, constraint=msg.compiled)
         return P.Ack(msg.request_id, engine.num_prompt_tokens(msg.request_id))
     except Exception as exc:  # noqa: BLE001 - rejected in-band, the worker goes on
         return P.Ack(msg.request_id, 0, P.Rejection(*classify_engine_error(exc)))
@@ -417,24 +413,25 @@ def _drain(conn: Any, engine: Any, encoder: PromptEncoder, compiles: ConstraintC
     constraint compiled (``compiles``), each on a thread; it is acknowledged then."""
     acks: list[P.Ack] = []
 
-    def submit_now(msg: P.Submit, error: BaseException | None = None, cancelled: bool = False) -> None:
-        acks.append(submit(engine, msg, error))
+    def submit_now(pending: Pending, error: BaseException | None = None, cancelled: bool = False) -> None:
+        acks.append(submit(engine, pending, error))
         if cancelled:  # a cancel came while it was encoded or compiled
-            engine.cancel(msg.request_id)
+            engine.cancel(pending.request_id)
 
-    def submit_when_ready(msg: P.Submit, error: BaseException | None = None, cancelled: bool = False) -> None:
-        if error is None and compiles.takes(msg.options):
-            compiles.start(msg, cancelled)  # acknowledged once compiled (``compiles.finished``)
+    def submit_when_ready(pending: Pending, error: BaseException | None = None, cancelled: bool = False) -> None:
+        if error is None and compiles.takes(pending.spec):
+            compiles.start(pending, cancelled)  # acknowledged once compiled (``compiles.finished``)
         else:
-            submit_now(msg, error, cancelled)
+            submit_now(pending, error, cancelled)
 
     while conn.poll(min(BURST_GAP_S, max(0.0, burst_until - time.monotonic()))):
         msg = conn.recv()
         if isinstance(msg, P.Submit):
-            if encoder.takes(msg.options):
-                encoder.start(msg)  # acknowledged once encoded (``encoder.finished``)
+            pending = Pending(msg.spec)
+            if encoder.takes(msg.spec):
+                encoder.start(pending)  # acknowledged once encoded (``encoder.finished``)
             else:
-                submit_when_ready(msg)
+                submit_when_ready(pending)
         elif isinstance(msg, P.Cancel):
             if not (encoder.cancel(msg.request_id) or compiles.cancel(msg.request_id)):
                 engine.cancel(msg.request_id)

@@ -27,24 +27,25 @@ import dataclasses
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from qil_worker.engine.spec import RequestSpec
 from qil_worker.freed_memory import OUTSIZED_CHARS
-from qil_worker.service.worker.beside_loop import SideThread, WaitingSubmits, wait_any
-from qil_worker.service.protocol import Detokenize, Submit, Tokenize
+from qil_worker.service.protocol import Detokenize, Tokenize
+from qil_worker.service.worker.beside_loop import Pending, SideThread, WaitingSubmits, wait_any
 from qil_worker.service.worker.tokenizer_calls import INLINE_IDS
-from qil_worker.text.prompt import prompt_chars, prompt_field
-from qil_worker.text.prompt import PromptRoom, PromptTooLong, encode_prompt
+from qil_worker.text.prompt import PromptRoom, PromptTooLong, encode_prompt, prompt_chars
 
-PROMPT_OPTIONS = ("text", "messages", "enable_thinking")  # consumed by encoding
 INLINE_CHARS = 16384  # prompts up to this long are tokenized in the step loop
 
 
-def encode_within(tokenizer: Any, options: dict[str, Any], max_new_tokens: int, room: PromptRoom) -> list[int]:
-    """A submit's prompt as ids, refused (``CapacityError``) as soon as it cannot fit ``room``."""
+def encode_within(tokenizer: Any, spec: RequestSpec, room: PromptRoom) -> list[int]:
+    """A submit's text or chat prompt as ids, refused (``CapacityError``) as soon as it cannot
+    fit ``room``."""
+    prompt, max_new_tokens = spec.prompt, spec.max_new_tokens
     try:
-        return encode_prompt(tokenizer, options.get("text"), options.get("messages"),
-                             options.get("enable_thinking"), room.max_prompt(max_new_tokens))
+        return encode_prompt(tokenizer, prompt.text, prompt.messages, prompt.enable_thinking,
+                             room.max_prompt(max_new_tokens))
     except PromptTooLong as too_long:
-        raise room.refusal(too_long, max_new_tokens, prompt_field(options)) from None
+        raise room.refusal(too_long, max_new_tokens, prompt.field) from None
 
 
 class PromptEncoder:
@@ -56,13 +57,13 @@ class PromptEncoder:
         self._calls: list[Future] = []  # tokenizer calls under way, in arrival order
         self._outsized = 0  # outsized jobs (``freed_memory.OUTSIZED_CHARS``) not yet all done
 
-    def takes(self, options: dict[str, Any]) -> bool:
+    def takes(self, spec: RequestSpec) -> bool:
         """Whether a submit's prompt is text or messages longer than ``INLINE_CHARS`` that this
         encoder can tokenize (the engine refuses text without a tokenizer, or malformed
         messages, with its own clear error)."""
         if self._tokenizer is None:
             return False
-        return prompt_chars(options.get("text"), options.get("messages")) > INLINE_CHARS
+        return prompt_chars(spec.prompt.text, spec.prompt.messages) > INLINE_CHARS
 
     def take_outsized(self) -> bool:
         """Whether outsized jobs ran since the last call and none is left: the moment to give
@@ -81,11 +82,12 @@ class PromptEncoder:
             return prompt_chars(call.text, call.messages) > INLINE_CHARS
         return len(call.token_ids) > INLINE_IDS
 
-    def start(self, submit: Submit) -> None:
-        """Begin encoding the prompt of a ``Submit`` given as text or messages."""
-        encoded = self._thread.run(encode_within, self._tokenizer, submit.options, submit.max_new_tokens, self._room)
+    def start(self, submit: Pending) -> None:
+        """Begin encoding the prompt of a submit given as text or messages."""
+        encoded = self._thread.run(encode_within, self._tokenizer, submit.spec, self._room)
         self._waiting.add(submit, encoded)
-        self._outsized += prompt_chars(submit.options.get("text"), submit.options.get("messages")) >= OUTSIZED_CHARS
+        prompt = submit.spec.prompt
+        self._outsized += prompt_chars(prompt.text, prompt.messages) >= OUTSIZED_CHARS
 
     def start_call(self, answer: Callable[..., Any], *args: Any) -> None:
         """Run ``answer(*args)``, a tokenizer call's (``tokenizer_calls``; it never raises), on
@@ -116,13 +118,13 @@ class PromptEncoder:
         self._calls = running
         return [f.result() for f in done]
 
-    def finished(self) -> list[tuple[Submit, BaseException | None, bool]]:
+    def finished(self) -> list[tuple[Pending, BaseException | None, bool]]:
         """``(submit, error, cancelled)`` for every prompt done since the last call, in
-        submission order: the ``Submit`` with the prompt as token ids (the original when
-        encoding raised ``error``), and whether a cancel came meanwhile."""
-        def prepared(submit: Submit, token_ids: list[int]) -> Submit:
-            rest = {k: v for k, v in submit.options.items() if k not in PROMPT_OPTIONS}
-            return dataclasses.replace(submit, token_ids=token_ids, options=rest)
+        submission order: the submit with its prompt as token ids (the original when encoding
+        raised ``error``), and whether a cancel came meanwhile."""
+        def prepared(submit: Pending, token_ids: list[int]) -> Pending:
+            spec = submit.spec
+            return dataclasses.replace(submit, spec=spec.with_prompt(spec.prompt.encoded(token_ids)))
 
         return self._waiting.finished(prepared)
 

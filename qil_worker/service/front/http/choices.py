@@ -10,10 +10,12 @@ from typing import AsyncIterator
 
 import grpc
 
-from qil_worker.service.errors import ServiceError, unavailable
+from qil_worker.engine.spec import RequestSpec  # torch-free
+from qil_worker.errors import InvalidRequestError
+from qil_worker.service.errors import ServiceError, invalid, unavailable
 from qil_worker.service.front.front import Front
 from qil_worker.service.front.request_log import FrontRequest, SampleEnd
-from qil_worker.service.front.http.params import CallParams, Prompt
+from qil_worker.service.front.http.params import CallParams
 from qil_worker.service.protocol import FinishReason
 from qil_worker.service.front.streams import (
     Subscription,
@@ -26,25 +28,27 @@ from qil_worker.service.front.streams import (
 log = logging.getLogger("qil.http")
 
 
-def _prompt_options(prompt: Prompt) -> dict:
-    if prompt.text is not None:
-        return {"text": prompt.text}
-    if prompt.messages is not None:
-        return {"messages": prompt.messages}
-    return {}
+def specs_of(params: CallParams) -> list[RequestSpec]:
+    """The spec of each prompt's request, its ``n`` samples in it; ``ServiceError`` naming the
+    engine's field at fault (the caller maps it to the API's parameter)."""
+    specs = []
+    for prompt in params.prompts:
+        options = dict(params.options, n=params.n) if params.n > 1 else params.options
+        try:
+            specs.append(RequestSpec.of(
+                prompt.token_ids, params.max_new_tokens, params.stop_token_ids,
+                text=prompt.text, messages=prompt.messages, **options,
+            ))
+        except InvalidRequestError as exc:
+            raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+    return specs
 
 
 async def submit_all(front: Front, params: CallParams, call_id: str) -> list[FrontRequest]:
     """One request per prompt, its ``n`` samples in it (the engine computes the prompt once and
     forks; choice ``p * n + j`` is sample ``j`` of prompt ``p``, the API's order). All or none:
     when one is refused the others are cancelled and the refusal raised."""
-    jobs = []
-    for p, prompt in enumerate(params.prompts):
-        options = dict(params.options, **_prompt_options(prompt))
-        if params.n > 1:
-            options["n"] = params.n
-        jobs.append(front.submit(f"{call_id}-{p}", prompt.token_ids, params.max_new_tokens,
-                                 params.stop_token_ids, options))
+    jobs = [front.submit(f"{call_id}-{p}", spec) for p, spec in enumerate(specs_of(params))]
     if len(jobs) == 1:  # (the common call: no task for it)
         return [await jobs[0]]
     results = await asyncio.gather(*jobs, return_exceptions=True)

@@ -102,7 +102,9 @@ class CallParams:
     include_usage: bool
     max_new_tokens: int | None  # None: the rest of the context (chat's default)
     stop_token_ids: list[int]
-    options: dict[str, Any] = field(default_factory=dict)  # shared by every request of the call
+    # the keyword form of RequestSpec.of, shared by every request of the call (the prompt, its
+    # length and its stop ids aside)
+    options: dict[str, Any] = field(default_factory=dict)
     top_logprobs: int | None = None  # None: no logprobs
     echo: bool = False
     hide_output: bool = False  # max_tokens 0: the one token the engine ran is not answered

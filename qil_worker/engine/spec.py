@@ -1,0 +1,172 @@
+"""One request, typed and validated: what both fronts build from their wire forms, what crosses
+the pipe whole, and what ``Engine.submit`` takes (torch-free: the front imports it).
+
+A ``RequestSpec`` is checked when it is made: every field that needs no model (counts, ranges,
+forms) raises ``InvalidRequestError`` naming the field then, before anything is built from it.
+What needs the model — token ids against its vocabulary, lengths against its positions and
+pages, a tokenizer for text — is the engine's to check (``engine.validation``), and so are
+the ids' values (integers in the vocabulary). The keyword
+form (``RequestSpec.of``) takes the option table's names (``qil_client.options``), the names
+``Engine.submit`` has always taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from qil_worker.engine.sampling_params import SamplingParams
+from qil_worker.errors import InvalidRequestError
+from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH, check_stop_strings
+from qil_worker.structured.spec import CONSTRAINT_KINDS, ConstraintSpec
+
+DEFAULT_MAX_NEW_TOKENS = 16
+PROMPT_FIELDS = ("token_ids", "text", "messages")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of ``token_ids``, ``text`` (encoded as it is) or chat ``messages`` (through
+    the model's chat template; ``enable_thinking``: Qwen3's switch, None the template's default).
+    ``encoded_from``: the form the ids were encoded from in the worker ("text" or "messages"),
+    the field an error about their length names."""
+
+    token_ids: Sequence[int] | None = None
+    text: str | None = None
+    messages: Sequence[Mapping[str, str]] | None = None
+    enable_thinking: bool | None = None
+    encoded_from: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError("prompt", f"give token ids, text or messages, not {' and '.join(given)}")
+        if not given:
+            raise InvalidRequestError("token_ids", "the prompt is empty: give token_ids, text or messages")
+        if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
+            raise InvalidRequestError("enable_thinking", f"must be a boolean, got {self.enable_thinking!r}")
+
+    @property
+    def field(self) -> str:
+        """The request field the prompt came in (for errors about it)."""
+        if self.encoded_from is not None:
+            return self.encoded_from
+        return "messages" if self.messages is not None else "text" if self.text is not None else "token_ids"
+
+    @property
+    def is_text(self) -> bool:
+        """Whether it still needs the tokenizer (text or messages)."""
+        return self.token_ids is None
+
+    def forget_text(self) -> None:
+        """Drop an outsized text or chat prompt that has been sent or refused, so that what still
+        holds this spec (a refusal's traceback, gRPC's last call) does not hold megabytes with
+        it. (The one change a spec sees after it is made; the spec is not used again.)"""
+        object.__setattr__(self, "text", None)
+        object.__setattr__(self, "messages", None)
+
+    def encoded(self, token_ids: list[int]) -> "Prompt":
+        """This text or chat prompt as the ids it was encoded to."""
+        return Prompt(token_ids=token_ids, encoded_from=self.field)
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How the output text is made (with a tokenizer): ``stop_strings`` end the request when the
+    text contains one (kept in the text with ``include_stop_string``); special tokens are left
+    out of it unless ``skip_special_tokens`` is False."""
+
+    stop_strings: tuple[str, ...] = ()
+    include_stop_string: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_strings", tuple(check_stop_strings(self.stop_strings)))
+        for name in ("include_stop_string", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request: its prompt, how long it may run, how each token is chosen (``sampling``:
+    also ``n`` samples and log-probabilities), how its text is made, what its output must match
+    (``constraint``), and its id (None: the engine names it). Validated when made."""
+
+    prompt: Prompt
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop_token_ids: Sequence[int] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    text: TextOptions = field(default_factory=TextOptions)
+    constraint: ConstraintSpec | None = None
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        rid = self.request_id
+        if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID_LENGTH):
+            raise InvalidRequestError(
+                "request_id", f"must be a non-empty string of at most {MAX_REQUEST_ID_LENGTH} characters"
+            )
+        n = self.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {n!r}")
+        for name, ids in (("token_ids", self.prompt.token_ids), ("stop_token_ids", self.stop_token_ids)):
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, type(None))):
+                raise InvalidRequestError(name, f"expected a sequence of token ids, got {type(ids).__name__}")
+        self.sampling.validate(n)
+
+    @classmethod
+    def of(
+        cls,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        stop_token_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        text: str | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        enable_thinking: bool | None = None,
+        stop_strings: Sequence[str] | None = None,
+        include_stop_string: bool = False,
+        skip_special_tokens: bool = True,
+        json_schema: str | dict | None = None,
+        json_object: bool | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        choice: Sequence[str] | None = None,
+        **sampling_fields: Any,
+    ) -> "RequestSpec":
+        """The spec of ``Engine.submit``'s keyword form (the option table's names; sampling as
+        ``sampling=SamplingParams(...)`` or as its fields)."""
+        if sampling is None:
+            sampling = SamplingParams.from_kwargs(**sampling_fields)
+        elif sampling_fields:
+            raise TypeError("pass either sampling= or sampling fields, not both")
+        return cls(
+            prompt=Prompt(token_ids, text, messages, enable_thinking),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=() if stop_token_ids is None else stop_token_ids,
+            sampling=sampling,
+            text=TextOptions(() if stop_strings is None else stop_strings, include_stop_string, skip_special_tokens),
+            constraint=ConstraintSpec.from_kwargs(json_schema, json_object, regex, grammar, choice),
+            request_id=request_id,
+        )
+
+    def with_prompt(self, prompt: Prompt) -> "RequestSpec":
+        """The same request with another prompt (its text encoded, say): checked again."""
+        return dataclasses.replace(self, prompt=prompt)
+
+    def with_id(self, request_id: str) -> "RequestSpec":
+        return dataclasses.replace(self, request_id=request_id)
+
+
+# The keyword names of ``RequestSpec.of`` that are not sampling fields: with SamplingParams'
+# fields, every option a request can give (``tests/test_request_options.py`` pins them to the
+# option table and the proto).
+SPEC_KEYWORDS = (
+    "token_ids", "max_new_tokens", "stop_token_ids", "request_id", "text", "messages", "enable_thinking",
+    "stop_strings", "include_stop_string", "skip_special_tokens", *CONSTRAINT_KINDS,
+)
