@@ -5,7 +5,7 @@ A tiny model (hidden 64, 2 layers) keeps the forward small, so what is measured 
 own work per step — what a GPU waits for unless it is overlapped:
 
   schedule   ``Scheduler.schedule`` + ``Scheduler.commit``
-  build      the step's input tensors: ``build_step_batch`` (eager path) or
+  build      the step's input tensors: ``build_step_inputs`` (eager path) or
              ``DecodeGraphs._stage`` (padded decode path)
   attn-meta  of which (eager path) the attention backend's ``step_metadata`` (qil_worker/attention)
   prepare    ``Sampler.prepare`` (grammar masks; nothing for these requests)
@@ -22,7 +22,7 @@ and a seed each, on a model with a 64-id vocabulary, so that the sampler's ops o
 [rows, vocab] cost their dispatch (host work) rather than their arithmetic. Variant ``text``: an
 engine with a tokenizer (every token detokenized; ~300 ids), two stop strings per request, and
 top-p 0.95 on the sampled ones (its ``sample`` includes the CPU's top-p sort of [rows, ~300],
-device work on a GPU). Path ``eager`` is the engine's CPU default (``build_step_batch``);
+device work on a GPU). Path ``eager`` is the engine's CPU default (``build_step_inputs``);
 ``padded`` the decode-graph path (``cuda_graphs=True``; on a GPU these steps replay a graph, so
 its host work is this path's). Each configuration first computes every prompt, then times
 ``--steps`` pure decode steps (no request ends meanwhile) and reports the mean ms per step.
@@ -84,18 +84,24 @@ class PhaseClock:
 
 
 def instrument(engine, clock: "PhaseClock") -> None:
-    import qil_worker.engine.engine as engine_module
+    # the step's device side: the engine's runner (an engine before it held it all itself)
+    runner = getattr(engine, "runner", engine)
+    try:
+        import qil_worker.engine.runner.model_runner as step_module
+    except ImportError:
+        import qil_worker.engine.engine as step_module
+    build = "build_step_inputs" if hasattr(step_module, "build_step_inputs") else "build_step_batch"
 
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.commit = clock.wrap("schedule", engine.scheduler.commit)
-    engine.sampler.prepare = clock.wrap("prepare", engine.sampler.prepare)
+    runner.sampler.prepare = clock.wrap("prepare", runner.sampler.prepare)
     # the device part of sampling (the readout is in accept); ``sample`` in an engine before it
-    sampling = "sample_on_device" if hasattr(engine.sampler, "sample_on_device") else "sample"
-    setattr(engine.sampler, sampling, clock.wrap("sample", getattr(engine.sampler, sampling)))
-    engine_module.build_step_batch = clock.wrap("build", engine_module.build_step_batch)
-    engine.attention.step_metadata = clock.wrap("attn-meta", engine.attention.step_metadata)
+    sampling = "sample_on_device" if hasattr(runner.sampler, "sample_on_device") else "sample"
+    setattr(runner.sampler, sampling, clock.wrap("sample", getattr(runner.sampler, sampling)))
+    setattr(step_module, build, clock.wrap("build", getattr(step_module, build)))
+    runner.attention.step_metadata = clock.wrap("attn-meta", runner.attention.step_metadata)
     engine.model.forward = clock.wrap("forward", engine.model.forward)
-    graphs = engine.decode_graphs
+    graphs = runner.decode_graphs
     if graphs is not None:
         stage = graphs._stage
         graphs._stage = clock.wrap("build", stage)

@@ -317,13 +317,13 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     constraint = engine.compile_constraint(spec)
     compile_s = time.perf_counter() - t
-    timer = MaskTimer(engine.sampler.grammar_masks)
+    timer = MaskTimer(engine.runner.sampler.grammar_masks)
 
     run_batch(engine, prompts[:2], [4, 4], constraint, [])  # warm-up, both paths
     run_batch(engine, prompts[:2], [4, 4], None, [])
     rows = {"constrained": [], "free": [], "other": []}
     fill_ms, stage_ms, step_ms = [], [], []
-    masks = engine.sampler.grammar_masks
+    masks = engine.runner.sampler.grammar_masks
     for _ in range(args.repeat):
         timer.reset()
         steps: list[float] = []

@@ -138,14 +138,14 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
     ttft = [times[i][0] - submitted_at[i] for i in ids]
     gaps = [b - a for i in ids for a, b in zip(times[i], times[i][1:])]
     hit = sum(engine.result(i).num_cached_tokens for i in ids) / sum(len(p) for p, _ in reqs)
-    graphs = engine.decode_graphs
+    graphs = engine.runner.decode_graphs
     extra = {} if graphs is None else {
-        "graph_decode_steps": graphs.steps, "graphs": engine.graph_capture.count,
-        "graph_capture_s": round(engine.graph_capture.seconds, 2),
+        "graph_decode_steps": graphs.steps, "graphs": engine.runner.graph_capture.count,
+        "graph_capture_s": round(engine.runner.graph_capture.seconds, 2),
     }
     if getattr(engine, "step_graphs", None) is not None:  # steps with prefill chunks, padded
-        extra["graph_mixed_steps"] = engine.step_graphs.steps
-        extra["eager_steps"] = engine.step_graphs.misses  # fit no graph bucket (or scored prompts)
+        extra["graph_mixed_steps"] = engine.runner.step_graphs.steps
+        extra["eager_steps"] = engine.runner.step_graphs.misses  # fit no graph bucket (or scored prompts)
     if hasattr(engine, "overlap"):
         extra.update(overlap="on" if engine.overlap else "off", overlapped_steps=engine.overlapped_steps)
     engine.close()

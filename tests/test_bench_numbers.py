@@ -10,6 +10,7 @@ import json
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 import types
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -35,7 +36,7 @@ class FakeEngine:
 
     def __init__(self, model, **kwargs):
         self.prompts, self.left = {}, {}
-        self.decode_graphs, self.attention_backend = None, "fake"
+        self.runner, self.attention_backend = SimpleNamespace(decode_graphs=None), "fake"
 
     def submit(self, prompt, max_new_tokens, **kwargs):
         rid = f"r{len(self.prompts)}"

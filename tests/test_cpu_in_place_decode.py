@@ -15,7 +15,7 @@ from qil_worker.kv import PagePool
 
 
 def _members(*tables: list[int]) -> list[SimpleNamespace]:
-    return [SimpleNamespace(request=SimpleNamespace(page_table=SimpleNamespace(pages=t))) for t in tables]
+    return [SimpleNamespace(pages=t) for t in tables]
 
 
 def test_key_run_needs_one_row_whose_key_pages_are_consecutive():

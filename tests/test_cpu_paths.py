@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qil_worker import cpu_memory
-from qil_worker.engine.batch import MAX_PADDING, attention_groups
+from qil_worker.engine.runner.batch import MAX_PADDING, attention_groups
 from qil_worker.kv import KVCache
 
 

@@ -300,7 +300,7 @@ def test_samples_through_the_padded_decode_path(model, prompt):
     # prompt forks in a decode-only step, a prompt of whole pages has no partial page to copy
     plain = Engine(model, num_pages=64, page_size=4)
     padded = Engine(model, num_pages=64, page_size=4, cuda_graphs=True)
-    assert padded.decode_graphs is not None
+    assert padded.runner.decode_graphs is not None
     (expected,) = plain.generate([prompt], max_new_tokens=9, n=3, ignore_eos=True, **SAMPLED)
     (got,) = padded.generate([prompt], max_new_tokens=9, n=3, ignore_eos=True, **SAMPLED)
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in expected]

@@ -173,7 +173,7 @@ def test_text_cut_at_a_stop_string_always_ends_with_reason_stop(text_dir, split_
     def scripted(logits, requests):
         return DeviceSample(torch.tensor([script[r.num_output_tokens] for r in requests]))
 
-    monkeypatch.setattr(engine.sampler, "sample_on_device", scripted)
+    monkeypatch.setattr(engine.runner.sampler, "sample_on_device", scripted)
     rid = engine.submit([1, 2], max_new_tokens=3, stop_strings=["\ufffd"])
     events = run_to_completion(engine)
     result = engine.result(rid)

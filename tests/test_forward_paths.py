@@ -14,8 +14,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from engine_helpers import reference_greedy, run_to_completion
 from varlen_helpers import use_reference_packed_kernel, use_reference_varlen
 from qil_worker import Engine, Qwen3
-from qil_worker.engine.decode_graphs import DecodeGraphs
-from qil_worker.engine.graph_capture import GraphCapture
+from qil_worker.engine.runner.decode_graphs import DecodeGraphs
+from qil_worker.engine.runner.graph_capture import GraphCapture
 from qil_worker.engine.probe import ForwardProbe
 from qil_worker.kv import KVCache
 from qil_worker.attention import PACKED, PAGED, choice, cpu
@@ -89,7 +89,7 @@ def test_the_cuda_attention_wiring_run_on_a_cpu_matches_transformers(tiny_dir, r
         monkeypatch.setattr(cpu, cpu_only, None)  # (calling one would raise)
     model = Qwen3.from_directory(tiny_dir, dtype="float32", pack_weights=False, fused_projections=True)
     engine = Engine(model, num_pages=64, page_size=4, token_budget=40, prefill_chunk=24, cuda_graphs=cuda_graphs)
-    assert type(engine.attention) is gather_sdpa.GatherSdpa and engine.attention_backend == "sdpa"
+    assert type(engine.runner.attention) is gather_sdpa.GatherSdpa and engine.attention_backend == "sdpa"
     shared = _prompts(3, (13,))[0]  # a cached prefix: the CPU path would attend it apart
     prompts = _prompts(4, (5, 31, 17)) + [shared + [7, 8], shared + [9]]
     ids = [engine.submit(p, max_new_tokens=9) for p in prompts[:3]]
@@ -97,7 +97,7 @@ def test_the_cuda_attention_wiring_run_on_a_cpu_matches_transformers(tiny_dir, r
     ids += [engine.submit(p, max_new_tokens=9) for p in prompts[3:]]
     run_to_completion(engine)
     assert any(rows > 2 for rows in chosen) and 2 in chosen, "prefill chunks and decode rows through SDPA"
-    assert not cuda_graphs or engine.decode_graphs.steps > 0
+    assert not cuda_graphs or engine.runner.decode_graphs.steps > 0
     for rid, prompt in zip(ids, prompts):
         assert engine.result(rid).output_token_ids == reference_greedy(ref, prompt, 9), prompt
 
@@ -112,7 +112,7 @@ def test_paged_varlen_through_decode_graphs_matches_transformers(cpu_model, ref,
     assert [engine.result(i).output_token_ids for i in ids] == [
         reference_greedy(ref, p, n) for p, n in zip(prompts, lengths)
     ]
-    assert engine.decode_graphs.steps >= 5
+    assert engine.runner.decode_graphs.steps >= 5
 
 
 def test_one_token_prompt_chunks_do_not_take_the_decode_graph_path(cpu_model, ref):
@@ -122,7 +122,7 @@ def test_one_token_prompt_chunks_do_not_take_the_decode_graph_path(cpu_model, re
     ids = [engine.submit(p, max_new_tokens=6) for p in prompts]
     run_to_completion(engine)
     assert [engine.result(i).output_token_ids for i in ids] == [reference_greedy(ref, p, 6) for p in prompts]
-    assert engine.decode_graphs.steps > 0
+    assert engine.runner.decode_graphs.steps > 0
 
 
 def test_packed_key_bucket_covers_the_padded_rows(cpu_model):
@@ -145,7 +145,7 @@ def test_packed_decode_graph_with_a_row_beyond_half_the_largest_context(cpu_mode
     ids = [engine.submit(p, max_new_tokens=4) for p in prompts]
     run_to_completion(engine)
     assert [engine.result(i).output_token_ids for i in ids] == [reference_greedy(ref, p, 4) for p in prompts]
-    assert engine.decode_graphs.steps >= 2
+    assert engine.runner.decode_graphs.steps >= 2
 
 
 def test_shared_prefix_merge_stays_finite_at_large_score_gaps():
@@ -205,6 +205,6 @@ def test_debug_mode_fails_a_step_that_would_read_unwritten_keys(cpu_model, decod
         engine.step()  # the rest of the prompt and the first token
         assert engine.result(rid).error is None
     request = engine._requests[rid]
-    engine.kv.forget_pages(request.page_table.pages[:1])
+    engine.runner.kv.forget_pages(request.page_table.pages[:1])
     engine.step()
     assert "unwritten KV slot" in engine.result(rid).error

@@ -86,10 +86,10 @@ def test_mixed_steps_replay_captured_graphs_with_the_tokens_of_eager_steps(model
             engine.step()
         outputs[graphs] = [engine.result(i).output_token_ids for i in ids]
         if graphs:
-            print(f"{mode}: {engine.step_graphs.steps} mixed steps, {engine.graph_capture.count} graphs, "
-                  f"{engine.graph_capture.seconds:.2f} s capture")
-            assert engine.graph_capture.enabled, "capture failed: the steps ran eagerly"
-            assert engine.step_graphs.steps >= 8 and engine.step_graphs.num_graphs >= 2
+            print(f"{mode}: {engine.runner.step_graphs.steps} mixed steps, {engine.runner.graph_capture.count} graphs, "
+                  f"{engine.runner.graph_capture.seconds:.2f} s capture")
+            assert engine.runner.graph_capture.enabled, "capture failed: the steps ran eagerly"
+            assert engine.runner.step_graphs.steps >= 8 and engine.runner.step_graphs.num_graphs >= 2
         engine.close()
     agree = sum(a == b for x, y in zip(outputs[True], outputs[False]) for a, b in zip(x, y))
     assert agree >= 0.9 * 12 * len(prompts)  # bf16 kernels on differently padded shapes may tie-break apart

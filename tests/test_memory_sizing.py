@@ -2,6 +2,7 @@ import pytest
 
 from qil_worker import Qwen3
 from qil_worker.engine.memory import bytes_per_page, size_pool
+from qil_worker.engine.runner.model_runner import scratch_pages
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +14,7 @@ def test_page_bytes_match_the_allocated_cache(model):
     from qil_worker import Engine
 
     engine = Engine(model, num_pages=10, page_size=4)
-    assert engine.kv.nbytes == 10 * bytes_per_page(model, 4)
+    assert engine.runner.kv.nbytes == 10 * bytes_per_page(model, 4)
     # 2 (K,V) x 2 layers x 4 tokens x 2 kv heads x 16 dims x 4 bytes
     assert bytes_per_page(model, 4) == 2 * 2 * 4 * 2 * 16 * 4
 
@@ -31,13 +32,13 @@ def test_a_budget_covers_the_decode_graphs_scratch_page(model):
     from qil_worker import Engine
 
     budget = 10 * bytes_per_page(model, 4)
-    reserved = Engine.scratch_pages(model, cuda_graphs=True)
+    reserved = scratch_pages(model, cuda_graphs=True)
     size = size_pool(model, 4, memory_bytes=budget, reserved_pages=reserved)
     engine = Engine(model, num_pages=size.num_pages, page_size=4, cuda_graphs=True)
     assert reserved == 1 and size.num_pages == 9
-    assert engine.kv.nbytes == size.total_bytes == budget
+    assert engine.runner.kv.nbytes == size.total_bytes == budget
     assert "9 pages x 4 tokens = 36 tokens + 1 scratch page" in size.summary()
-    assert Engine.scratch_pages(model) == 0  # the CPU default: no graphs, no scratch page
+    assert scratch_pages(model) == 0  # the CPU default: no graphs, no scratch page
     with pytest.raises(ValueError, match="plus a scratch page"):
         size_pool(model, 4, memory_bytes=bytes_per_page(model, 4), reserved_pages=1)
 

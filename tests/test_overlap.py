@@ -162,7 +162,7 @@ def test_arrivals_stop_ids_and_lengths_at_every_boundary_match_sync_and_transfor
     assert outputs(over) == expected
     assert engine.overlapped_steps > 0
     if graphs:
-        assert engine.decode_graphs.steps > 0
+        assert engine.runner.decode_graphs.steps > 0
     reasons = {evs[-1][3] for evs in over.values()}
     assert reasons == {FinishReason.LENGTH, FinishReason.STOP}
 
@@ -352,7 +352,7 @@ def test_a_step_is_read_only_after_the_next_is_launched(model, monkeypatch):
     """Observable order of launches and reads, and what an overlapped engine holds meanwhile."""
     engine = engine_for(model, overlap=True)
     order: list[str] = []
-    launch = engine.sampler.sample_on_device
+    launch = engine.runner.sampler.sample_on_device
 
     def logged(logits, requests):
         sample = launch(logits, requests)
@@ -367,7 +367,7 @@ def test_a_step_is_read_only_after_the_next_is_launched(model, monkeypatch):
         sample.read = logged_read
         return sample
 
-    monkeypatch.setattr(engine.sampler, "sample_on_device", logged)
+    monkeypatch.setattr(engine.runner.sampler, "sample_on_device", logged)
     rid = engine.submit([1, 2, 3, 4, 5], max_new_tokens=3)
     assert engine.step() == [] and not engine.idle  # the first token is in flight
     assert engine.result(rid).output_token_ids == []

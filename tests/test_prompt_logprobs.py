@@ -9,7 +9,7 @@ import torch
 from engine_helpers import assert_pool_free, reference_greedy, run_to_completion
 from qil_worker import Engine, InvalidRequestError
 from qil_worker.engine import prompt_logprobs as prompt_logprobs_module
-from qil_worker.engine.batch import build_step_batch
+from qil_worker.engine.runner.batch import build_step_inputs
 from qil_worker.engine.outputs import RequestMetrics
 from qil_worker.engine.prompt_logprobs import PromptLogprobs
 from qil_worker.engine.request import Request, RequestStatus
@@ -171,17 +171,17 @@ def test_logits_only_at_sampled_positions_for_requests_that_do_not_ask(model):
 
     plain, asking = request("a", 12), request("b", 10, top_n=1)
     chunks = [ScheduledChunk(plain, 0, 12), ScheduledChunk(asking, 0, 6)]
-    batch = build_step_batch(chunks, engine.attention, 4, model.config.num_query_groups, model.device)
+    batch = build_step_inputs(chunks, engine.runner.attention, 4, model.config.num_query_groups, model.device)
     assert [c.request for c in batch.sampled] == [plain]
     assert [(r.request, r.start, r.count) for r in batch.prompt_rows] == [(asking, 0, 6)]
     flat = {id(c.request): sum(x.num_tokens for x in batch.chunks[: batch.chunks.index(c)]) for c in batch.chunks}
     assert batch.logit_indices.tolist() == [flat[id(plain)] + 11] + [flat[id(asking)] + p for p in range(6)]
     # the last chunk of the prompt: its last position is the sampled one, not scored again
     asking.prompt_logprobs.logprobs.extend([0.0] * 6)
-    batch = build_step_batch([ScheduledChunk(asking, 6, 4)], engine.attention, 4, 2, model.device)
+    batch = build_step_inputs([ScheduledChunk(asking, 6, 4)], engine.runner.attention, 4, 2, model.device)
     assert [(r.start, r.count) for r in batch.prompt_rows] == [(6, 3)]
     assert batch.logit_indices.tolist() == [3, 0, 1, 2]
-    alone = build_step_batch([ScheduledChunk(plain, 0, 12)], engine.attention, 4, 2, model.device)
+    alone = build_step_inputs([ScheduledChunk(plain, 0, 12)], engine.runner.attention, 4, 2, model.device)
     assert alone.logit_indices.tolist() == [11] and alone.prompt_rows == []
     plain.page_table.release(engine.pool)
     asking.page_table.release(engine.pool)
@@ -193,7 +193,7 @@ def test_through_the_padded_decode_path(model, ref):
     engine = Engine(model, num_pages=64, page_size=4, prefill_chunk=8, cuda_graphs=True)
     rid = engine.submit(PROMPT, max_new_tokens=6, prompt_logprobs=2)
     run_to_completion(engine)
-    assert engine.decode_graphs.steps > 0
+    assert engine.runner.decode_graphs.steps > 0
     res = engine.result(rid)
     _assert_matches(ref, PROMPT, 2, res.prompt_logprobs, res.prompt_top_logprobs)
 

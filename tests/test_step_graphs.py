@@ -13,7 +13,7 @@ from engine_helpers import assert_pool_free, check_preemption_and_cancel, random
 from qil_worker import Engine, FinishReason
 from qil_worker.attention import PACKED, PAGED
 from qil_worker.attention.reference import reference_backend
-from qil_worker.engine.graph_buckets import bucket_max_q, pad_requests, request_buckets, token_buckets
+from qil_worker.engine.runner.graph_buckets import bucket_max_q, pad_requests, request_buckets, token_buckets
 
 
 @pytest.fixture(params=[PAGED, PACKED])
@@ -80,7 +80,7 @@ def test_pad_requests_fill_the_bucket_with_one_to_max_q_tokens_each():
 
 def test_the_engine_picks_the_smallest_bucket_that_holds_the_step(model, backend):
     engine = _engine(model, backend, num_pages=64, page_size=4, token_budget=64, prefill_chunk=32)
-    graphs = engine.step_graphs
+    graphs = engine.runner.step_graphs
     assert graphs is not None and graphs.tokens == [16, 32, 64, 129] and graphs.requests[-1] == 65
     ids = [engine.submit(p, max_new_tokens=3) for p in random_prompts([20, 5, 9])]
     chunks = engine.scheduler.schedule()
@@ -111,8 +111,8 @@ def test_mixed_steps_match_transformers(model, ref, backend):
     results = [engine.result(i) for i in ids]
     assert [r.output_token_ids for r in results] == expected
     assert all(r.finish_reason is FinishReason.LENGTH for r in results)
-    assert engine.step_graphs.steps >= 6 and engine.decode_graphs.steps > 0
-    assert engine.step_graphs.misses == 0, "every step of these limits fits a bucket"
+    assert engine.runner.step_graphs.steps >= 6 and engine.runner.decode_graphs.steps > 0
+    assert engine.runner.step_graphs.misses == 0, "every step of these limits fits a bucket"
     assert_pool_free(engine)
 
 
@@ -127,30 +127,30 @@ def test_overlapped_mixed_steps_take_in_flight_tokens_into_the_static_inputs(mod
         ids.append(engine.submit(prompt, max_new_tokens=9))
     run_to_completion(engine)
     assert [engine.result(i).output_token_ids for i in ids] == expected
-    assert engine.overlapped_steps > 0 and engine.step_graphs.steps > 0
+    assert engine.overlapped_steps > 0 and engine.runner.step_graphs.steps > 0
     assert_pool_free(engine)
 
 
 def test_mixed_steps_with_preemption_and_cancel_free_every_page(model, ref, backend):
     engine = _engine(model, backend, num_pages=30, page_size=4, token_budget=32, prefill_chunk=16)
     check_preemption_and_cancel(engine, ref)
-    assert engine.step_graphs.steps > 0
+    assert engine.runner.step_graphs.steps > 0
 
 
 def test_pad_tokens_only_touch_the_scratch_page(model, backend):
     """Pages no request owns keep their contents when a step is padded to its bucket."""
     engine = _engine(model, backend, num_pages=16, page_size=4, token_budget=64, prefill_chunk=64)
     marker = 7.0
-    engine.kv.k.fill_(marker)
-    engine.kv.v.fill_(marker)
+    engine.runner.kv.k.fill_(marker)
+    engine.runner.kv.v.fill_(marker)
     engine.generate(random_prompts([10, 7]), max_new_tokens=1)  # one step of 17 tokens → bucket 32
-    assert engine.step_graphs.steps == 1
+    assert engine.runner.step_graphs.steps == 1
     written = {
-        page for page in range(engine.pool.total) if not bool((engine.kv.k[:, page * 4 : (page + 1) * 4] == marker).all())
+        page for page in range(engine.pool.total) if not bool((engine.runner.kv.k[:, page * 4 : (page + 1) * 4] == marker).all())
     }
     assert len(written) == 3 + 2, f"two prompts of 10 and 7 tokens wrote into pages {sorted(written)}"
-    scratch = engine.kv.scratch_page * engine.page_size
-    assert not bool((engine.kv.k[:, scratch : scratch + 4] == marker).all()), "padding wrote nowhere"
+    scratch = engine.runner.kv.scratch_page * engine.page_size
+    assert not bool((engine.runner.kv.k[:, scratch : scratch + 4] == marker).all()), "padding wrote nowhere"
 
 
 def test_steps_scoring_prompt_logprobs_run_eagerly(model, ref, backend):
@@ -159,16 +159,16 @@ def test_steps_scoring_prompt_logprobs_run_eagerly(model, ref, backend):
     result = engine.generate([prompt], max_new_tokens=4, prompt_logprobs=0)[0]
     assert result.output_token_ids == reference_greedy(ref, prompt, 4)
     assert len(result.prompt_logprobs) == len(prompt) - 1  # every token after the first
-    assert engine.step_graphs.steps == 0 and engine.step_graphs.misses > 0 and engine.decode_graphs.steps > 0
+    assert engine.runner.step_graphs.steps == 0 and engine.runner.step_graphs.misses > 0 and engine.runner.decode_graphs.steps > 0
     assert_pool_free(engine)
 
 
 def test_step_graphs_need_a_backend_that_builds_metadata_in_a_graph(model):
-    assert Engine(model, num_pages=8, cuda_graphs=True).step_graphs is None  # the CPU backend: no
+    assert Engine(model, num_pages=8, cuda_graphs=True).runner.step_graphs is None  # the CPU backend: no
     with pytest.raises(ValueError, match="step_graphs needs cuda_graphs"):
         Engine(model, num_pages=8, cuda_graphs=True, step_graphs=True)
     engine = Engine(model, num_pages=8, cuda_graphs=True, attention=reference_backend(PAGED), step_graphs=False)
-    assert engine.step_graphs is None and engine.decode_graphs is not None
+    assert engine.runner.step_graphs is None and engine.runner.decode_graphs is not None
 
 
 def test_sampling_options_through_step_graphs_match_eager_steps(model, backend):
@@ -201,7 +201,7 @@ def test_sampling_options_through_step_graphs_match_eager_steps(model, backend):
             for i in ids
         ]
         if graphs:
-            assert engine.step_graphs.steps >= 4 and engine.step_graphs.misses == 0
+            assert engine.runner.step_graphs.steps >= 4 and engine.runner.step_graphs.misses == 0
         assert_pool_free(engine)
     assert len(outputs[True][1]) == 2 and len(outputs[True][0][0][2]) == 10  # two samples; logprobs came
     for with_graphs, eager in zip(outputs[True], outputs[False]):

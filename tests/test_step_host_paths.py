@@ -1,6 +1,6 @@
 """The step's host fast paths give exactly what the general paths give.
 
-Fast paths: one-token chunks in ``build_step_batch`` (``_one_token_each`` beside
+Fast paths: one-token chunks in ``build_step_inputs`` (``_one_token_each`` beside
 ``flat_tokens``), the sampler's ``plain`` rows (``SamplingRow``), page tables kept as arrays
 (``Request.page_ids``), token events made without the frozen ``__init__``
 (``Event.of_token``), typed arrays into tensors (``transfer.host_tensor``), draws hashed from
@@ -28,7 +28,7 @@ import torch
 
 from engine_helpers import assert_pool_free
 from qil_worker import Engine
-from qil_worker.engine import batch as batch_module
+from qil_worker.engine.runner import batch as batch_module
 from qil_worker.engine import sampler as sampler_module
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics
 from qil_worker.engine.request import Request, SamplingRow

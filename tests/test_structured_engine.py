@@ -231,7 +231,7 @@ def test_a_step_without_constrained_rows_does_not_touch_the_grammar_code(model, 
     def forbidden(*args, **kwargs):
         raise AssertionError("the grammar stage ran for free requests")
 
-    monkeypatch.setattr(engine.sampler.grammar_masks, "apply", forbidden)
+    monkeypatch.setattr(engine.runner.sampler.grammar_masks, "apply", forbidden)
     results = engine.generate(PROMPTS, max_new_tokens=8, **SAMPLED, seed=1)
     assert all(r.finish_reason is not FinishReason.ERROR for r in results)
     assert engine._grammars is None, "no compiler is built for free requests"
@@ -661,11 +661,11 @@ def test_compiling_beside_the_step_loop(model, tokenizer):
 
 
 def test_masks_filled_beside_the_forward_equal_masks_filled_inline(model, tokenizer):
-    assert not new_engine(model, tokenizer).sampler.grammar_masks.overlap, "CPU: inline"
+    assert not new_engine(model, tokenizer).runner.sampler.grammar_masks.overlap, "CPU: inline"
     outputs = []
     for overlap in (True, False):
         engine = new_engine(model, tokenizer)
-        engine.sampler.grammar_masks.overlap = overlap
+        engine.runner.sampler.grammar_masks.overlap = overlap
         ids = [
             engine.submit(p, max_new_tokens=40, json_schema=SCHEMAS["array_of_objects"], seed=i, **SAMPLED)
             for i, p in enumerate(PROMPTS)
@@ -673,6 +673,6 @@ def test_masks_filled_beside_the_forward_equal_masks_filled_inline(model, tokeni
         ids += [engine.submit(p, max_new_tokens=20, seed=i, **SAMPLED) for i, p in enumerate(PROMPTS)]
         run_to_completion(engine)
         outputs.append([engine.result(i).output_token_ids for i in ids])
-        assert (engine.sampler.grammar_masks._pool is not None) == overlap
+        assert (engine.runner.sampler.grammar_masks._pool is not None) == overlap
         assert_pool_free(engine)
     assert outputs[0] == outputs[1]

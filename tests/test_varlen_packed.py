@@ -20,7 +20,7 @@ from qil_worker.attention import PACKED, PAGED, choice, varlen
 from qil_worker.attention.choice import choose_backend
 from qil_worker.attention.reference import reference_backend, reference_varlen_attn
 from qil_worker.attention.varlen import packed_key_slots
-from qil_worker.engine.graph_buckets import key_buckets
+from qil_worker.engine.runner.graph_buckets import key_buckets
 from qil_worker.engine.probe import ForwardProbe
 
 
@@ -87,7 +87,7 @@ def test_packed_engine_matches_transformers_through_the_decode_graph_path(model,
     results = [engine.result(i) for i in ids]
     assert [r.output_token_ids for r in results] == expected
     assert all(r.finish_reason is FinishReason.LENGTH for r in results)
-    assert engine.decode_graphs.steps >= 10
+    assert engine.runner.decode_graphs.steps >= 10
     assert_pool_free(engine)
 
 
@@ -153,4 +153,4 @@ def test_a_backend_object_plugs_into_the_engine(model, ref, mode):
     ids = [engine.submit(p, max_new_tokens=6) for p in prompts]
     run_to_completion(engine)
     assert [engine.result(i).output_token_ids for i in ids] == [reference_greedy(ref, p, 6) for p in prompts]
-    assert engine.decode_graphs.steps >= 4
+    assert engine.runner.decode_graphs.steps >= 4

@@ -11,20 +11,33 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from qil_worker.engine.scheduler import ScheduledChunk
     from qil_worker.kv.cache import KVCache
+
+
+class Chunk(Protocol):
+    """What a backend reads of one scheduled chunk (the engine's ``ScheduledChunk``): its
+    tokens ``[start, end)`` of a request whose KV lies on ``pages``."""
+
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int: ...
+
+    @property
+    def pages(self) -> list[int]: ...
 
 
 @dataclass
 class StepLayout:
     """A step's chunks as the batch builder laid them out, for a backend's metadata."""
 
-    groups: list[list[ScheduledChunk]]  # every chunk in flat token order, in groups of similar shape
+    groups: list[list[Chunk]]  # every chunk in flat token order, in groups of similar shape
     tables: torch.Tensor  # [chunks, max pages] long, each chunk's page table (zero-padded), flat order
     slot_mapping: torch.Tensor  # [T] where each token's K/V are written
     page_size: int

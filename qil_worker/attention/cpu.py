@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from qil_worker.attention.backend import Chunk
 from qil_worker.attention.sdpa import AttentionGroup, GatherSdpa, GroupKernel, bias, gather_keys
 
 if TYPE_CHECKING:
-    from qil_worker.engine.scheduler import ScheduledChunk
     from qil_worker.kv.cache import KVCache
 
 CPU_CHUNK_BYTES = 8 << 20
@@ -40,27 +40,27 @@ class CpuAttention(GatherSdpa):
     def kernel(self, q_max: int) -> GroupKernel:
         return decode_kernel if q_max == 1 else prefill_kernel
 
-    def shared_prefix_pages(self, members: list[ScheduledChunk], page_size: int) -> int:
+    def shared_prefix_pages(self, members: list[Chunk], page_size: int) -> int:
         """Leading pages that every decode row of the group holds (the same physical pages,
         shared through the prefix cache), all before every row's current token; 0 when too few
         to pay."""
         if len(members) < 2:
             return 0
         limit = min(c.start for c in members) // page_size
-        tables = [c.request.page_table.pages for c in members]
+        tables = [c.pages for c in members]
         first = tables[0]
         shared = 0  # column by column, stopping at the first row that differs (mostly row 2)
         while shared < limit and all(table[shared] == first[shared] for table in tables):
             shared += 1
         return shared if shared * page_size >= MIN_SHARED_PREFIX_TOKENS else 0
 
-    def key_run(self, members: list[ScheduledChunk], key_pages: int, page_size: int) -> int | None:
+    def key_run(self, members: list[Chunk], key_pages: int, page_size: int) -> int | None:
         """A lone decode row whose pages are consecutive in the pool (what the page pool gives a
         request growing alone: the common batch-1 case): its keys lie back to back already, so
         they are attended in place instead of being copied out first."""
         if len(members) != 1:
             return None
-        pages = members[0].request.page_table.pages[:key_pages]
+        pages = members[0].pages[:key_pages]
         first = pages[0]
         return first * page_size if pages == list(range(first, first + key_pages)) else None
 

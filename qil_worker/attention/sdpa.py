@@ -24,12 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from qil_worker.attention.backend import AttentionBackend, StepAttention, StepLayout
+from qil_worker.attention.backend import AttentionBackend, Chunk, StepAttention, StepLayout
 from qil_worker.attention.names import SDPA
 from qil_worker.kv.slots import kv_slots, range_slots
 
 if TYPE_CHECKING:
-    from qil_worker.engine.scheduler import ScheduledChunk
     from qil_worker.kv.cache import KVCache
 
 # one group's attention: (folded queries [B, Hkv, Qmax*G, D], cache, layer, group) → same shape
@@ -118,11 +117,11 @@ class GatherSdpa(AttentionBackend):
         """How a group with ``q_max`` queries per request is attended."""
         return sdpa_kernel
 
-    def shared_prefix_pages(self, members: list[ScheduledChunk], page_size: int) -> int:
+    def shared_prefix_pages(self, members: list[Chunk], page_size: int) -> int:
         """Leading pages every decode row of a group shares, attended once for all (0: none)."""
         return 0
 
-    def key_run(self, members: list[ScheduledChunk], key_pages: int, page_size: int) -> int | None:
+    def key_run(self, members: list[Chunk], key_pages: int, page_size: int) -> int | None:
         """For a decode group whose keys (its first ``key_pages`` pages) can be attended in
         place, the slot they start at; None (the default): gather them."""
         return None
@@ -138,7 +137,7 @@ class GatherSdpa(AttentionBackend):
         return GroupedAttention(step.slot_mapping, groups)
 
     def _group(
-        self, members: list[ScheduledChunk], start: int, tables: torch.Tensor, step: StepLayout
+        self, members: list[Chunk], start: int, tables: torch.Tensor, step: StepLayout
     ) -> AttentionGroup:
         page_size, device = step.page_size, step.device
         batch = len(members)

@@ -15,21 +15,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qil_worker.attention.backend import AttentionBackend
-from qil_worker.attention.choice import choose_backend
-from qil_worker.engine import prompt_logprobs
-from qil_worker.engine.batch import build_step_batch
 from qil_worker.engine import samples
-from qil_worker.engine.decode_graphs import DecodeGraphs
-from qil_worker.engine.graph_capture import GraphCapture
-from qil_worker.engine.step_graphs import StepGraphs
+from qil_worker.engine import prompt_logprobs
+from qil_worker.engine.config import EngineConfig
 from qil_worker.engine.in_flight import InFlightStep, stays_in_flight
+from qil_worker.engine.runner.model_runner import ModelRunner
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
 from qil_worker.engine.request import Request
-from qil_worker.engine.sampler import Sampler
 from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.engine.scheduler import ScheduledChunk, Scheduler
 from qil_worker.engine.spec import DEFAULT_MAX_NEW_TOKENS, RequestSpec
 from qil_worker.engine.validation import validate_submit
+from qil_worker.kv import PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.errors import (
     DeviceFailedError,
     DuplicateRequestError,
@@ -38,7 +35,6 @@ from qil_worker.errors import (
     TokenizerUnavailableError,
     UnknownRequestError,
 )
-from qil_worker.kv import KVCache, PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.model import Qwen3
 from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import ConstraintSpec
@@ -50,8 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_GRAPH_BATCH = 512  # decode steps with more requests than this run eagerly
-RETAINED_RESULTS = 1024  # finished requests whose ``result()`` stays known (newest first)
 
 
 # CUDA's sticky errors, as its runtime words them: after one of these every later call on the
@@ -102,137 +96,56 @@ class Engine:
     def __init__(
         self,
         model: Qwen3,
-        num_pages: int = 512,
-        page_size: int = 16,
-        token_budget: int = 512,
-        prefill_chunk: int = 512,
-        max_active: int = 64,
-        debug: bool = False,
+        config: EngineConfig | None = None,
+        *,
         tokenizer: Any = None,
-        prefix_cache: bool = True,
-        cuda_graphs: bool | None = None,
-        schedule_policy: str = "fcfs",
-        attention: str | AttentionBackend = "auto",
-        retained_results: int = RETAINED_RESULTS,
-        overlap: bool | None = None,
-        step_graphs: bool | None = None,
+        attention: str | AttentionBackend | None = None,
+        **options: Any,
     ) -> None:
-        """``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA,
-        off with ``debug``). Given ``True`` on another device, the same padded decode path runs
-        without capture (for tests). ``step_graphs``: with ``cuda_graphs``, replay the other
-        steps (prefill chunks beside decodes) from graphs too, where the attention backend
-        builds their metadata in a graph (``engine.step_graphs``; default: then on).
-        ``schedule_policy``: the order waiting requests are admitted in, ``"fcfs"`` or
-        ``"shortest-first"`` (see ``qil_worker.engine.schedule_policy``).
-        ``attention``: ``"auto"``, ``"sdpa"``, ``"varlen"`` (paged) or ``"varlen-packed"`` (CUDA;
-        see ``qil_worker.attention.choice``), or a backend object (``attention.backend``).
-        ``overlap``: schedule and stage each step while the previous one runs on the device,
-        reading its tokens after (default: on for CUDA; see ``qil_worker.engine.in_flight``).
-        The tokens and events are the same either way; with overlap a step's events come
-        with the next ``step()``."""
-        for name, value in (
-            ("num_pages", num_pages),
-            ("page_size", page_size),
-            ("token_budget", token_budget),
-            ("prefill_chunk", prefill_chunk),
-            ("max_active", max_active),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        c = model.config
+        """``config``: how the engine runs (``EngineConfig``), or its fields as keywords
+        (``num_pages=512, page_size=16, token_budget=512, prefill_chunk=512, max_active=64``,
+        ``prefix_cache``, ``schedule_policy``, ``cuda_graphs``, ``step_graphs``, ``overlap``,
+        ``debug``, ``retained_results``). ``attention``: a backend's name (``EngineConfig.attention``)
+        or a backend object (``attention.backend``). ``tokenizer``: optional; text prompts, text
+        deltas and stop strings need it. With ``overlap`` the tokens and events are the same as
+        without; a step's events come with the next ``step()``."""
+        backend = attention if isinstance(attention, AttentionBackend) else None
+        if isinstance(attention, str):
+            options["attention"] = attention
+        elif backend is not None:
+            options["attention"] = "auto"  # (the object given is used instead)
+        if config is None:
+            config = EngineConfig(**options)
+        elif options:
+            raise TypeError("give an EngineConfig or its fields, not both")
+        self.config = config
         self.model = model
         self.tokenizer = tokenizer  # optional: text prompts, text deltas, stop strings
-        self.page_size = page_size
-        if cuda_graphs and debug and model.device.type == "cuda":
-            raise ValueError("debug checks read the device inside the forward; they cannot be captured")
-        # chosen before the KV pool is allocated: ``auto`` times the backends on CUDA
-        if isinstance(attention, AttentionBackend):
-            self.attention, why_not = attention, None
-        else:
-            self.attention, why_not = choose_backend(
-                attention, model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads,
-                c.head_dim,
-            )
-        self.attention_backend = self.attention.name  # as GetInfo reports it
-        if why_not and model.device.type == "cuda":
-            log.info("attention: %s (not the paged varlen kernel: %s)", self.attention.name, why_not)
-        scratch = self.scratch_pages(model, cuda_graphs, debug)
-        cuda_graphs = scratch > 0
-        self.kv = KVCache(
-            c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
-            model.dtype, model.device, debug=debug, scratch_pages=scratch,
-        )
-        self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
-        self.prefix_cache = PrefixCache(self.pool, page_size) if prefix_cache else None
+        self.page_size = config.page_size
+        self.runner = ModelRunner(model, config, backend)
+        self.attention_backend = self.runner.attention.name  # as GetInfo reports it
+        self.pool = PagePool(config.num_pages, on_reuse=self.runner.kv.forget_pages)
+        self.prefix_cache = PrefixCache(self.pool, config.page_size) if config.prefix_cache else None
         self.scheduler = Scheduler(
-            self.pool, token_budget, prefill_chunk, max_active, prefix_cache=self.prefix_cache,
-            policy=schedule_policy,
+            self.pool, config.token_budget, config.prefill_chunk, config.max_active,
+            prefix_cache=self.prefix_cache, policy=config.schedule_policy,
         )
-        self.sampler = Sampler()
-        # grammar masks filled beside the forward where the host is idle meanwhile
-        self.sampler.grammar_masks.overlap = model.device.type == "cuda"
-        self.graph_capture = GraphCapture(model.device) if cuda_graphs else None
-        self.decode_graphs, self.step_graphs = self._graph_runners(
-            token_budget, prefill_chunk, max_active, num_pages, step_graphs
-        )
-        self._eos_ids = frozenset(c.eos_token_ids)
+        self._eos_ids = frozenset(model.config.eos_token_ids)
         # requests whose final event is not handed out yet (active ones, cancels in ``_pending``)
         self._requests: dict[str, Request] = {}
         self._pending: list[Event] = []  # final events of cancels, emitted by the next step
-        if not isinstance(retained_results, int) or retained_results < 0:
-            raise ValueError(f"retained_results must be a non-negative integer, got {retained_results!r}")
-        self._retained_results = retained_results
+        self._retained_results = config.retained_results
         # per request, the result of each sample (one unless it asked for n > 1)
         self._results: collections.OrderedDict[str, list[Result]] = collections.OrderedDict()
         self._ids = itertools.count()
         self._closed = False
         # Why the device can no longer be used (``device_unusable``); the engine then refuses work.
         self.device_failure: str | None = None
-        self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
+        self.overlap = model.device.type == "cuda" if config.overlap is None else bool(config.overlap)
         self._in_flight: InFlightStep | None = None  # launched, not read yet (``overlap``)
         self.overlapped_steps = 0  # steps launched before the previous step was read
         self._grammars: GrammarCompiler | None = None  # built on first use (structured output)
         self._grammars_lock = threading.Lock()
-
-    def _graph_runners(
-        self, token_budget: int, prefill_chunk: int, max_active: int, num_pages: int, step_graphs: bool | None
-    ) -> tuple[DecodeGraphs | None, StepGraphs | None]:
-        """The decode graphs and the mixed-step graphs, where ``graph_capture`` exists (CUDA
-        graphs on); mixed steps need a backend that builds their metadata in a graph."""
-        capture, model = self.graph_capture, self.model
-        static = capture is not None and self.attention.static_steps
-        if step_graphs and not static:
-            raise ValueError(
-                f"step_graphs needs cuda_graphs and an attention backend that builds a step's metadata "
-                f"in a graph (varlen), not {self.attention.name!r}"
-            )
-        if capture is None:
-            return None, None
-        max_context = min(model.config.max_position_embeddings, num_pages * self.page_size)
-        max_requests = min(max_active, MAX_GRAPH_BATCH)
-        decode = DecodeGraphs(
-            model, self.kv, self.page_size, max_batch=max_requests, max_context=max_context,
-            attention=self.attention, capture=capture,
-        )
-        mixed = None
-        if static and step_graphs is not False:
-            mixed = StepGraphs(
-                model, self.kv, self.page_size, max_tokens=token_budget, max_chunk=min(prefill_chunk, token_budget),
-                max_requests=max_requests, max_context=max_context, attention=self.attention, capture=capture,
-            )
-        if model.device.type == "cuda":
-            log.info("CUDA graphs: decode steps%s", " and mixed steps" if mixed else
-                     f" (mixed steps run eagerly: attention {self.attention.name!r} builds no metadata in a graph)")
-        return decode, mixed
-
-    @staticmethod
-    def scratch_pages(model: Qwen3, cuda_graphs: bool | None = None, debug: bool = False) -> int:
-        """KV pages an engine allocates beside its ``num_pages``: the scratch page that padded
-        decode rows write to, when decode steps run through ``DecodeGraphs`` (by default on
-        CUDA, unless ``debug``). A KV memory budget must cover it too."""
-        if cuda_graphs is None:
-            cuda_graphs = model.device.type == "cuda" and not debug
-        return 1 if cuda_graphs else 0
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -447,41 +360,16 @@ class Engine:
         return events
 
     def _launch(self, chunks: list[ScheduledChunk], previous: InFlightStep | None) -> InFlightStep:
-        """Queue a step's forward and sampling on the device and commit its KV writes; nothing
-        waits for the device. Inputs of tokens still in flight come from ``previous``."""
-        vocab = self.model.config.vocab_size
-        in_flight_tokens = previous.sample.tokens if previous is not None else None
-        if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
-            computed = chunks
-            sampled_requests = [c.request for c in chunks]
-            self.sampler.prepare(sampled_requests, vocab)
-            logits = self.decode_graphs.run(chunks, in_flight_tokens)
-        elif self.step_graphs is not None and (bucket := self.step_graphs.bucket(chunks)) is not None:
-            computed = chunks
-            sampled_requests = [c.request for c in chunks if c.samples]  # the logits' rows
-            self.sampler.prepare(sampled_requests, vocab)
-            logits = self.step_graphs.run(chunks, bucket, in_flight_tokens)
-        else:
-            batch = build_step_batch(
-                chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
-                in_flight_tokens,
-            )
-            self.kv.check_reads(batch.attention)
-            computed = batch.chunks
-            sampled_requests = [c.request for c in batch.sampled]
-            self.sampler.prepare(sampled_requests, vocab)
-            logits = self.model(batch.input_ids, batch.positions, batch.attention, self.kv, batch.logit_indices)
-            if batch.prompt_rows:  # the rows after the sampled ones score prompt tokens
-                prompt_logprobs.score(logits[len(sampled_requests):], batch.prompt_rows)
-                logits = logits[: len(sampled_requests)]
-        forks = samples.forking(sampled_requests)  # n-requests whose prompt is computed now
-        logits, sampled_requests = samples.with_fork_rows(logits, sampled_requests, forks)
-        sample = self.sampler.sample_on_device(logits, sampled_requests)
-        self.scheduler.commit(computed)
+        """Queue a step's forward and sampling on the device (the runner's) and commit its KV
+        writes; nothing waits for the device. Inputs of tokens still in flight come from
+        ``previous``."""
+        launched = self.runner.launch(chunks, previous.sample.tokens if previous is not None else None)
+        requests, forks = launched.requests, launched.forks
+        self.scheduler.commit(launched.computed)
         for row, group in forks:  # before any token is accepted: a sample that ends holds the pages
-            samples.fork(sampled_requests[row], group, self.scheduler, self.pool, self.kv)
-        stays = self.overlap and stays_in_flight(sampled_requests, forks)
-        return InFlightStep(chunks, sampled_requests, sample, stays)
+            samples.fork(requests[row], group, self.scheduler, self.pool, self.runner.kv)
+        stays = self.overlap and stays_in_flight(requests, forks)
+        return InFlightStep(chunks, requests, launched.sample, stays)
 
     def _land(self, step: InFlightStep, events: list[Event]) -> None:
         """Read a launched step's tokens and accept them into ``events``; a request that ended
@@ -725,8 +613,7 @@ class Engine:
                     self._finish(sample, FinishReason.CANCELLED)
         self._pending.clear()
         self._closed = True
-        self.decode_graphs = self.step_graphs = None  # graphs hold the KV tensors' addresses
-        self.kv.k = self.kv.v = torch.empty(0)
+        self.runner.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -61,7 +61,7 @@ def size_pool(
 ) -> PoolSize:
     """Choose the number of pages: explicit, a byte budget, or a fraction of free CUDA memory.
 
-    ``reserved_pages``: pages the engine allocates beside the pool (``Engine.scratch_pages``);
+    ``reserved_pages``: pages the engine allocates beside the pool (``runner.model_runner.scratch_pages``);
     a budget covers them too. For a fraction, one forward of ``warmup_tokens`` tokens (the
     engine's token budget: its largest step) runs first on a throwaway pool; the fraction is
     then taken of the free memory less that step's activation peak, which later steps need

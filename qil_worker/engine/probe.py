@@ -14,7 +14,7 @@ import torch
 
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.attention.choice import choose_backend
-from qil_worker.engine.batch import build_step_batch
+from qil_worker.engine.runner.batch import build_step_inputs
 from qil_worker.engine.outputs import RequestMetrics
 from qil_worker.engine.request import Request
 from qil_worker.engine.scheduler import ScheduledChunk
@@ -63,10 +63,10 @@ class ForwardProbe:
             if not seq.page_table.grow(seq.num_computed_tokens + n, self.pool):
                 raise RuntimeError("probe page pool exhausted")
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-        batch = build_step_batch(
+        batch = build_step_inputs(
             chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
         )
-        self.kv.check_reads(batch.attention)
+        self.kv.check_reads(batch.attention.slot_mapping, batch.attention.reads())
         total = sum(c.num_tokens for c in batch.chunks)
         every = torch.arange(total, device=self.model.device)
         logits = self.model(batch.input_ids, batch.positions, batch.attention, self.kv, every).float()

@@ -4,7 +4,7 @@ The logit at prompt position p scores prompt token p + 1, so every chunk of a pr
 of its positions but the prompt's very last, whose logit is the one the first output token is
 sampled from (the last position of a chunk scores the first token of the next chunk: that token
 is known, it is the prompt). The step batch asks the model for logits at those positions in the
-same LM-head call as the sampled rows (``batch.build_step_batch``: sampled rows first, then
+same LM-head call as the sampled rows (``batch.build_step_inputs``: sampled rows first, then
 these), and only for requests that asked: a step without them computes nothing more.
 
 Exactly once per position: positions already scored are not scored again when a preempted

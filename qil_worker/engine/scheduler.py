@@ -40,6 +40,11 @@ class ScheduledChunk:
         return self.start + self.num_tokens
 
     @property
+    def pages(self) -> list[int]:
+        """The request's KV pages (``attention.backend.Chunk``)."""
+        return self.request.page_table.pages
+
+    @property
     def samples(self) -> bool:
         """Whether this chunk reaches the request's last known token, so a new one is sampled."""
         return self.end == self.request.num_tokens

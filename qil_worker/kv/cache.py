@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from qil_worker import cpu_memory
-
-if TYPE_CHECKING:
-    from qil_worker.attention.backend import StepAttention
 
 
 class KVCache:
@@ -111,14 +106,15 @@ class KVCache:
             self._gathered = tuple(cpu_memory.empty((rows, *self.k.shape[2:]), self.k.dtype) for _ in range(2))
         return self._gathered[0][:n], self._gathered[1][:n]
 
-    def check_reads(self, attention: StepAttention) -> None:
-        """Debug check, before a step's forward: every key its ``attention`` reads was written,
-        earlier or by this step itself (its ``slot_mapping``). Nothing outside debug mode."""
+    def check_reads(self, slot_mapping: torch.Tensor, reads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Debug check, before a step's forward: every key its attention ``reads`` (key slots
+        [B, L], key counts [B]: ``StepAttention.reads``) was written, earlier or by this step
+        itself (at ``slot_mapping``). Nothing outside debug mode."""
         if self._written is None:
             return
         written = self._written.clone()
-        written[attention.slot_mapping.cpu()] = True
-        for key_slots, key_lengths in attention.reads():
+        written[slot_mapping.cpu()] = True
+        for key_slots, key_lengths in reads:
             self.check_readable(key_slots, key_lengths, written)
 
     def check_readable(

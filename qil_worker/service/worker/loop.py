@@ -97,6 +97,7 @@ def _load(config: dict[str, Any]):
     from qil_worker.cpu_memory import configure_process
     from qil_worker.engine import Engine
     from qil_worker.engine.memory import size_pool
+    from qil_worker.engine.runner.model_runner import scratch_pages
     from qil_worker.model import Qwen3
     from qil_worker.text.tokenizer import EncodingTraits, encoding_traits, tokenizer_summary
 
@@ -123,12 +124,12 @@ def _load(config: dict[str, Any]):
     memory_fraction = config.get("kv_memory_fraction")
     if num_pages is None and memory_bytes is None and memory_fraction is None:
         num_pages = DEFAULT_NUM_PAGES
-    scratch_pages = Engine.scratch_pages(model, engine_kw.get("cuda_graphs"), engine_kw.get("debug", False))
+    scratch = scratch_pages(model, engine_kw.get("cuda_graphs"), engine_kw.get("debug", False))
     pool = size_pool(
         model, int(engine_kw.get("page_size", 16)), num_pages=num_pages,
         memory_bytes=memory_bytes, memory_fraction=memory_fraction,
         warmup_tokens=int(engine_kw.get("token_budget", 512)),
-        reserved_pages=scratch_pages, graphs=scratch_pages > 0,  # the scratch page means graphs
+        reserved_pages=scratch, graphs=scratch > 0,  # the scratch page means graphs
     )
     # retained_results=0: results reach the front in the final events, none is read back
     engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, retained_results=0, **engine_kw)
@@ -159,7 +160,7 @@ def _load(config: dict[str, Any]):
         tokenizer=tokenizer_dir,
         prefix_cache=engine.prefix_cache is not None,
         schedule_policy=stats.schedule_policy,
-        cuda_graphs=engine.decode_graphs is not None,
+        cuda_graphs=engine.runner.decode_graphs is not None,
         attention=engine.attention_backend,
         kv_pool=pool.summary(),
         memory=_memory_summary(model, pool),

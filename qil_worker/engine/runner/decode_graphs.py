@@ -26,9 +26,9 @@ import bisect
 import torch
 
 from qil_worker.attention.backend import AttentionBackend
-from qil_worker.engine.batch import page_tables
-from qil_worker.engine.graph_buckets import MAX_GATHER_BYTES, batch_buckets, context_buckets, key_buckets
-from qil_worker.engine.graph_capture import GraphCapture
+from qil_worker.engine.runner.batch import page_tables
+from qil_worker.engine.runner.graph_buckets import MAX_GATHER_BYTES, batch_buckets, context_buckets, key_buckets
+from qil_worker.engine.runner.graph_capture import GraphCapture
 from qil_worker.engine.in_flight import decode_inputs, fill_inputs
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import host_tensor
@@ -100,7 +100,7 @@ class DecodeGraphs:
 
     def run(self, chunks: list[ScheduledChunk], in_flight_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(chunks), vocab] for a step that ``handles`` accepted, rows in chunk order;
-        ``in_flight_tokens``: as ``build_step_batch``'s (``engine.in_flight``)."""
+        ``in_flight_tokens``: as ``build_step_inputs``'s (``engine.in_flight``)."""
         rows = len(chunks)
         self.steps += 1
         batch, context, keys = self._shape(chunks)

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from qil_worker.attention.backend import AttentionBackend
-from qil_worker.engine.batch import StepTokens, flat_tokens, page_tables
-from qil_worker.engine.graph_buckets import (
+from qil_worker.engine.runner.batch import StepTokens, flat_tokens, page_tables
+from qil_worker.engine.runner.graph_buckets import (
     MAX_GATHER_BYTES, bucket_max_q, key_buckets, pad_requests, request_buckets, token_buckets,
 )
-from qil_worker.engine.graph_capture import GraphCapture
+from qil_worker.engine.runner.graph_capture import GraphCapture
 from qil_worker.engine.in_flight import fill_inputs
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import host_tensor
@@ -142,7 +142,7 @@ class StepGraphs:
         self, chunks: list[ScheduledChunk], bucket: Bucket, in_flight_tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits [S, vocab] of the chunks that sample, rows in chunk order, for a step that
-        ``bucket`` accepted; ``in_flight_tokens``: as ``build_step_batch``'s (``engine.in_flight``)."""
+        ``bucket`` accepted; ``in_flight_tokens``: as ``build_step_inputs``'s (``engine.in_flight``)."""
         self.steps += 1
         tokens = flat_tokens(chunks)
         self._stage(chunks, bucket, tokens, in_flight_tokens)

@@ -29,7 +29,7 @@ from qil_worker.kv.slots import kv_slots
 
 
 @dataclass
-class StepBatch:
+class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attention: StepAttention
@@ -41,14 +41,14 @@ class StepBatch:
     prompt_rows: list[PromptRows]  # the P rows after the sampled ones, in order
 
 
-def build_step_batch(
+def build_step_inputs(
     chunks: list[ScheduledChunk],
     attention: AttentionBackend,
     page_size: int,
     query_groups: int,
     device: torch.device,
     in_flight_tokens: torch.Tensor | None = None,
-) -> StepBatch:
+) -> StepInputs:
     """``query_groups``: query heads per KV head (the GQA fold of the attention mask).
     ``in_flight_tokens``: the sampled tokens [S] of the step still on the device, where the
     input of a request whose token is in flight is taken from (``engine.in_flight``)."""
@@ -67,7 +67,7 @@ def build_step_batch(
     layout = StepLayout(groups_of_chunks, tables, slot_mapping, page_size, query_groups, device)
     input_ids = to_device(tokens.input_ids, device, torch.long)
     fill_inputs(input_ids, tokens.in_flight_indices, tokens.in_flight_sources, in_flight_tokens)
-    return StepBatch(
+    return StepInputs(
         input_ids=input_ids,
         positions=positions_t,
         attention=attention.step_metadata(layout),

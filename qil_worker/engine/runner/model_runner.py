@@ -1,0 +1,156 @@
+"""The model runner: a step's scheduled chunks in, its sampled tokens (still on the device) out.
+
+It owns what the forward needs — the model, the KV tensors, the attention backend, the CUDA
+graph runners with their static buffers — and the sampler's device pipeline; the engine keeps
+the requests, the scheduler, the page pool's bookkeeping and the events. Each step takes one of
+three paths, chosen here: a decode-only step replays a decode graph (``DecodeGraphs``), another
+step with a graph bucket replays a mixed-step graph (``StepGraphs``), the rest run eagerly over
+``build_step_inputs``. The runner is what a tensor-parallel rank will run: the step's inputs
+(``StepInputs``) are plain tensors and typed records.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from qil_worker.attention.backend import AttentionBackend
+from qil_worker.attention.choice import choose_backend
+from qil_worker.engine import prompt_logprobs, samples
+from qil_worker.engine.config import EngineConfig
+from qil_worker.engine.request import Request
+from qil_worker.engine.runner.batch import build_step_inputs
+from qil_worker.engine.runner.decode_graphs import DecodeGraphs
+from qil_worker.engine.runner.graph_capture import GraphCapture
+from qil_worker.engine.runner.step_graphs import StepGraphs
+from qil_worker.engine.sampler import DeviceSample, Sampler
+from qil_worker.engine.scheduler import ScheduledChunk
+from qil_worker.kv import KVCache
+from qil_worker.model import Qwen3
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 512  # decode steps with more requests than this run eagerly
+
+
+def scratch_pages(model: Qwen3, cuda_graphs: bool | None = None, debug: bool = False) -> int:
+    """KV pages a runner allocates beside the pool's ``num_pages``: the scratch page that padded
+    decode rows write to, when decode steps run through ``DecodeGraphs`` (by default on CUDA,
+    unless ``debug``). A KV memory budget must cover it too."""
+    if cuda_graphs is None:
+        cuda_graphs = model.device.type == "cuda" and not debug
+    return 1 if cuda_graphs else 0
+
+
+@dataclass
+class LaunchedStep:
+    """What a step's launch queued on the device: its sampled tokens (``sample``, read later),
+    the chunks whose KV it writes (``computed``: every chunk, in the path's order), the request
+    of each sampled row (forked samples' rows last) and the n-requests whose samples fork now."""
+
+    sample: DeviceSample
+    computed: list[ScheduledChunk]
+    requests: list[Request]
+    forks: list
+
+
+class ModelRunner:
+    """Runs the forward of every step of one engine, and samples its tokens on the device."""
+
+    def __init__(self, model: Qwen3, config: EngineConfig, attention: AttentionBackend | None = None) -> None:
+        """``attention``: a backend object instead of ``config.attention``'s name (tests)."""
+        c = model.config
+        self.model = model
+        self.page_size = config.page_size
+        if config.cuda_graphs and config.debug and model.device.type == "cuda":
+            raise ValueError("debug checks read the device inside the forward; they cannot be captured")
+        # chosen before the KV pool is allocated: ``auto`` times the backends on CUDA
+        if attention is not None:
+            self.attention, why_not = attention, None
+        else:
+            self.attention, why_not = choose_backend(
+                config.attention, model.device, model.dtype, config.page_size, c.num_attention_heads,
+                c.num_key_value_heads, c.head_dim,
+            )
+        if why_not and model.device.type == "cuda":
+            log.info("attention: %s (not the paged varlen kernel: %s)", self.attention.name, why_not)
+        scratch = scratch_pages(model, config.cuda_graphs, config.debug)
+        self.kv = KVCache(
+            c.num_hidden_layers, config.num_pages, config.page_size, c.num_key_value_heads, c.head_dim,
+            model.dtype, model.device, debug=config.debug, scratch_pages=scratch,
+        )
+        self.sampler = Sampler()
+        # grammar masks filled beside the forward where the host is idle meanwhile
+        self.sampler.grammar_masks.overlap = model.device.type == "cuda"
+        self.graph_capture = GraphCapture(model.device) if scratch > 0 else None
+        self.decode_graphs, self.step_graphs = self._graph_runners(config)
+
+    def _graph_runners(self, config: EngineConfig) -> tuple[DecodeGraphs | None, StepGraphs | None]:
+        """The decode graphs and the mixed-step graphs, where ``graph_capture`` exists (CUDA
+        graphs on); mixed steps need a backend that builds their metadata in a graph."""
+        capture, model = self.graph_capture, self.model
+        static = capture is not None and self.attention.static_steps
+        if config.step_graphs and not static:
+            raise ValueError(
+                f"step_graphs needs cuda_graphs and an attention backend that builds a step's metadata "
+                f"in a graph (varlen), not {self.attention.name!r}"
+            )
+        if capture is None:
+            return None, None
+        max_context = min(model.config.max_position_embeddings, config.num_pages * self.page_size)
+        max_requests = min(config.max_active, MAX_GRAPH_BATCH)
+        decode = DecodeGraphs(
+            model, self.kv, self.page_size, max_batch=max_requests, max_context=max_context,
+            attention=self.attention, capture=capture,
+        )
+        mixed = None
+        if static and config.step_graphs is not False:
+            mixed = StepGraphs(
+                model, self.kv, self.page_size, max_tokens=config.token_budget,
+                max_chunk=min(config.prefill_chunk, config.token_budget), max_requests=max_requests,
+                max_context=max_context, attention=self.attention, capture=capture,
+            )
+        if model.device.type == "cuda":
+            log.info("CUDA graphs: decode steps%s", " and mixed steps" if mixed else
+                     f" (mixed steps run eagerly: attention {self.attention.name!r} builds no metadata in a graph)")
+        return decode, mixed
+
+    def launch(self, chunks: list[ScheduledChunk], in_flight_tokens: torch.Tensor | None) -> LaunchedStep:
+        """Queue a step's forward and sampling on the device; nothing waits for it. The input
+        of a request whose token is still in flight comes from ``in_flight_tokens`` (the
+        previous step's sampled tokens, on the device). Prompt log-probabilities asked for are
+        scored here (their rows follow the sampled ones)."""
+        vocab = self.model.config.vocab_size
+        if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
+            computed = chunks
+            requests = [c.request for c in chunks]
+            self.sampler.prepare(requests, vocab)
+            logits = self.decode_graphs.run(chunks, in_flight_tokens)
+        elif self.step_graphs is not None and (bucket := self.step_graphs.bucket(chunks)) is not None:
+            computed = chunks
+            requests = [c.request for c in chunks if c.samples]  # the logits' rows
+            self.sampler.prepare(requests, vocab)
+            logits = self.step_graphs.run(chunks, bucket, in_flight_tokens)
+        else:
+            inputs = build_step_inputs(
+                chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
+                in_flight_tokens,
+            )
+            self.kv.check_reads(inputs.attention.slot_mapping, inputs.attention.reads())
+            computed = inputs.chunks
+            requests = [c.request for c in inputs.sampled]
+            self.sampler.prepare(requests, vocab)
+            logits = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv, inputs.logit_indices)
+            if inputs.prompt_rows:  # the rows after the sampled ones score prompt tokens
+                prompt_logprobs.score(logits[len(requests):], inputs.prompt_rows)
+                logits = logits[: len(requests)]
+        forks = samples.forking(requests)  # n-requests whose prompt is computed now
+        logits, requests = samples.with_fork_rows(logits, requests, forks)
+        return LaunchedStep(self.sampler.sample_on_device(logits, requests), computed, requests, forks)
+
+    def close(self) -> None:
+        """Drop the graphs (they hold the KV tensors' addresses) and the KV tensors."""
+        self.decode_graphs = self.step_graphs = None
+        self.kv.k = self.kv.v = torch.empty(0)
