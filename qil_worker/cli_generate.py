@@ -8,6 +8,7 @@ import sys
 
 from qil_client import constraints, options
 from qil_client.cli_help import DefaultsHelpFormatter
+from qil_worker.cli_args import positive_int
 from qil_worker.errors import QilError
 from qil_worker.quantization import QUANTIZE_CHOICES
 
@@ -28,17 +29,6 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     if args.logit_bias:
         kwargs["logit_bias"] = dict(args.logit_bias)
     return kwargs
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a clear usage error for 0, negatives and non-numbers."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def parse_token_list(text: str, flag: str) -> list[int]:

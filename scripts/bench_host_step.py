@@ -235,8 +235,8 @@ def overlay(rev: str, into: Path, packages: list[str]) -> Path:
         package_dir = root / "qil_worker" / package
         shutil.rmtree(package_dir)
         package_dir.mkdir()
-        files = subprocess.run(
-            ["git", "-C", str(REPO), "ls-tree", "--name-only", f"{rev}:qil_worker/{package}"],
+        files = subprocess.run(  # (-r: a package's subpackages too)
+            ["git", "-C", str(REPO), "ls-tree", "-r", "--name-only", f"{rev}:qil_worker/{package}"],
             check=True, capture_output=True, text=True,
         ).stdout.split()
         for name in files:
@@ -244,6 +244,7 @@ def overlay(rev: str, into: Path, packages: list[str]) -> Path:
                 ["git", "-C", str(REPO), "show", f"{rev}:qil_worker/{package}/{name}"],
                 check=True, capture_output=True, text=True,
             ).stdout
+            (package_dir / name).parent.mkdir(parents=True, exist_ok=True)
             (package_dir / name).write_text(text)
     return root
 

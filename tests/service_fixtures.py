@@ -12,7 +12,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from qil_worker.engine.config import EngineConfig
 from qil_worker.service.front.front import FrontConfig
+from qil_worker.service.protocol import WorkerConfig
 from qil_worker.service.front.server import ServeConfig, ServerThread
 
 ENGINE = dict(num_pages=512, page_size=16, token_budget=256, prefill_chunk=64, max_active=48)
@@ -31,13 +33,15 @@ def make_service_checkpoint(path: Path) -> Path:
 
 
 def start_server(model_dir: Path | str | None, engine: dict | None = None, **kw: Any) -> ServerThread:
+    """A real server in this process (its worker spawned) on 127.0.0.1, a free port; ``engine``:
+    ``EngineConfig`` fields; ``kw``: fields of ``WorkerConfig``, ``FrontConfig`` or ``ServeConfig``."""
+    worker_kw = {k: kw.pop(k) for k in list(kw) if k in WorkerConfig.__dataclass_fields__}
     front_kw = {k: kw.pop(k) for k in list(kw) if k in FrontConfig.__dataclass_fields__}
-    front = FrontConfig(
-        model=str(model_dir) if model_dir else None,
-        engine=dict(engine or ENGINE),
-        threads=1,
-        **front_kw,
+    worker = WorkerConfig(
+        model=str(model_dir) if model_dir else None, engine=EngineConfig(**(engine or ENGINE)),
+        **{"threads": 1, **worker_kw},
     )
+    front = FrontConfig(worker=worker, **front_kw)
     return ServerThread(ServeConfig(**{"host": "127.0.0.1", "port": 0, **kw}, front=front)).start()
 
 

@@ -233,11 +233,12 @@ def test_worker_lost_mid_stream_ends_with_an_error_event(model_dir):
 
 def test_health_is_503_until_serving(model_dir):
     from qil_worker.service.front.front import FrontConfig
+    from qil_worker.service.protocol import WorkerConfig
     from qil_worker.service.front.server import ServeConfig, ServerThread
 
     port = free_port()
     cfg = ServeConfig(host="127.0.0.1", port=0, http_port=port,
-                      front=FrontConfig(model=str(model_dir), threads=1))
+                      front=FrontConfig(worker=WorkerConfig(model=str(model_dir), threads=1)))
     srv = ServerThread(cfg)
     t = threading.Thread(target=srv.start)
     t.start()

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from qil_worker.service.front.front import FrontConfig
+from qil_worker.service.protocol import WorkerConfig
 from qil_worker.service.front.server import ServeConfig, ServerThread
 from service_fixtures import serve_process, stop_server_process, wait_until
 
@@ -52,6 +53,6 @@ def test_http_port_in_use_fails_the_start(model_dir):
         taken.listen()
         port = taken.getsockname()[1]
         cfg = ServeConfig(host="127.0.0.1", port=0, http_port=port,
-                          front=FrontConfig(model=str(model_dir), threads=1))
+                          front=FrontConfig(worker=WorkerConfig(model=str(model_dir), threads=1)))
         with pytest.raises(OSError, match="HTTP"):
             ServerThread(cfg).start()

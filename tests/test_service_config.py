@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from qil_worker.engine.config import EngineConfig
 from qil_worker.service.cli import add_serve_parser, config_from_args, run_serve
 from service_fixtures import wait_until
 
@@ -22,49 +23,50 @@ def test_flags_reach_the_engine_and_the_front():
         "--prefill-chunk", "10", "--max-active", "3", "--max-queued", "4", "--grace-seconds", "2.5",
     ]))
     assert cfg.port == 0 and cfg.grace_seconds == 2.5
-    assert cfg.front.model == "/m" and cfg.front.max_queued == 4
-    assert cfg.front.engine == dict(
+    worker = cfg.front.worker
+    assert worker.model == "/m" and cfg.front.max_queued == 4
+    assert worker.engine == EngineConfig(
         num_pages=7, page_size=8, token_budget=9, prefill_chunk=10, max_active=3, prefix_cache=True,
         schedule_policy="fcfs", attention="auto",
     )
     assert cfg.auth_token is None or cfg.auth_token  # from the environment, if any
-    assert cfg.front.kv_memory_bytes is None and cfg.front.kv_memory_fraction is None
-    assert cfg.front.tokenizer is None and cfg.front.use_tokenizer
+    assert worker.kv_memory_bytes is None and worker.kv_memory_fraction is None
+    assert worker.tokenizer is None and worker.use_tokenizer
 
 
 def test_defaults_leave_pool_sizing_and_tokenizer_to_the_worker():
     cfg = config_from_args(_parse([]))
-    assert cfg.front.engine["num_pages"] is None  # the worker uses 512
-    assert cfg.front.engine["prefix_cache"] is True
-    assert cfg.front.tokenizer is None and cfg.front.use_tokenizer
+    assert cfg.front.worker.engine == EngineConfig()  # the engine's defaults: 512 pages...
+    assert cfg.front.worker.engine.prefix_cache is True
+    assert cfg.front.worker.tokenizer is None and cfg.front.worker.use_tokenizer
 
 
 def test_schedule_policy_flag():
-    assert config_from_args(_parse(["--schedule-policy", "shortest-first"])).front.engine[
-        "schedule_policy"
-    ] == "shortest-first"
+    assert config_from_args(_parse(["--schedule-policy", "shortest-first"])).front.worker.engine.schedule_policy == \
+        "shortest-first"
     with pytest.raises(SystemExit):
         _parse(["--schedule-policy", "random"])
 
 
 def test_attention_flag():
-    assert config_from_args(_parse(["--attention", "varlen-packed"])).front.engine["attention"] == "varlen-packed"
+    assert config_from_args(_parse(["--attention", "varlen-packed"])).front.worker.engine.attention == "varlen-packed"
     with pytest.raises(SystemExit):
         _parse(["--attention", "flash"])
 
 
 def test_prefix_cache_and_tokenizer_flags():
     cfg = config_from_args(_parse(["--no-prefix-cache", "--tokenizer", "/tok"]))
-    assert cfg.front.engine["prefix_cache"] is False
-    assert "cuda_graphs" not in cfg.front.engine  # the engine decides: on for CUDA
-    assert config_from_args(_parse(["--no-cuda-graphs"])).front.engine["cuda_graphs"] is False
-    assert "overlap" not in cfg.front.engine  # the engine decides: on for CUDA
-    assert config_from_args(_parse(["--no-overlap"])).front.engine["overlap"] is False
-    assert config_from_args(_parse(["--no-step-graphs"])).front.engine["step_graphs"] is False
-    assert "step_graphs" not in config_from_args(_parse([])).front.engine
-    assert cfg.front.tokenizer == "/tok" and cfg.front.use_tokenizer
+    engine = cfg.front.worker.engine
+    assert engine.prefix_cache is False
+    assert engine.cuda_graphs is None  # the engine decides: on for CUDA
+    assert config_from_args(_parse(["--no-cuda-graphs"])).front.worker.engine.cuda_graphs is False
+    assert engine.overlap is None  # the engine decides: on for CUDA
+    assert config_from_args(_parse(["--no-overlap"])).front.worker.engine.overlap is False
+    assert config_from_args(_parse(["--no-step-graphs"])).front.worker.engine.step_graphs is False
+    assert config_from_args(_parse([])).front.worker.engine.step_graphs is None
+    assert cfg.front.worker.tokenizer == "/tok" and cfg.front.worker.use_tokenizer
     cfg = config_from_args(_parse(["--no-tokenizer"]))
-    assert not cfg.front.use_tokenizer
+    assert not cfg.front.worker.use_tokenizer
     with pytest.raises(SystemExit):
         _parse(["--no-tokenizer", "--tokenizer", "/tok"])
 
@@ -76,8 +78,7 @@ def test_prefix_cache_and_tokenizer_flags():
 )
 def test_kv_memory_bytes_accepts_units(text, value):
     cfg = config_from_args(_parse(["--kv-memory-bytes", text]))
-    assert cfg.front.kv_memory_bytes == value
-    assert cfg.front.engine["num_pages"] is None
+    assert cfg.front.worker.kv_memory_bytes == value  # (the worker sizes the pool from it)
 
 
 @pytest.mark.parametrize(
@@ -104,7 +105,7 @@ def test_pool_sizing_flags_are_exclusive_and_checked(argv, capsys):
 
 def test_kv_memory_fraction_reaches_the_front():
     cfg = config_from_args(_parse(["--kv-memory-fraction", "0.8"]))
-    assert cfg.front.kv_memory_fraction == 0.8 and cfg.front.engine["num_pages"] is None
+    assert cfg.front.worker.kv_memory_fraction == 0.8 and cfg.front.worker.kv_memory_bytes is None
 
 
 def test_auth_token_from_flag_or_environment(monkeypatch):
@@ -113,7 +114,7 @@ def test_auth_token_from_flag_or_environment(monkeypatch):
     assert config_from_args(_parse(["--auth-token", "flag"])).auth_token == "flag"
     monkeypatch.delenv("QIL_AUTH_TOKEN")
     assert config_from_args(_parse([])).auth_token is None
-    assert config_from_args(_parse([])).front.model is None  # the embedded demo
+    assert config_from_args(_parse([])).front.worker.model is None  # the embedded demo
 
 
 def _finished_req(rid: str, num_tokens: int = 1, top_width: int = 0):
@@ -186,7 +187,7 @@ def test_serve_flag_bounds():
 def test_serve_flags_reach_the_config(monkeypatch):
     cfg = config_from_args(_parse(["--metrics-host", "0.0.0.0", "--threads", "3", "--max-stream-backlog", "7",
                                    "--retain-seconds", "1.5", "--max-restarts", "9"]))
-    assert cfg.metrics_host == "0.0.0.0" and cfg.front.threads == 3
+    assert cfg.metrics_host == "0.0.0.0" and cfg.front.worker.threads == 3
     assert cfg.front.max_stream_backlog == 7 and cfg.front.retain_seconds == 1.5 and cfg.front.max_restarts == 9
     monkeypatch.setenv("QIL_AUTH_TOKEN", "")
     assert config_from_args(_parse([])).auth_token is None
@@ -198,8 +199,6 @@ def test_tls_cert_without_key_is_refused(capsys):
 
 
 def test_structured_warmup_flag_reaches_the_worker_config():
-    from qil_worker.service.front.front import _worker_config
-
-    assert config_from_args(_parse([])).front.structured_warmup is True
+    assert config_from_args(_parse([])).front.worker.structured_warmup is True
     cfg = config_from_args(_parse(["--no-structured-warmup"]))
-    assert cfg.front.structured_warmup is False and _worker_config(cfg.front)["structured_warmup"] is False
+    assert cfg.front.worker.structured_warmup is False

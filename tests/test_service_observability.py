@@ -198,14 +198,14 @@ def test_operations_flags_reach_the_config():
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
     cfg = config_from_args(parser.parse_args(["serve"]))
-    assert cfg.metrics_port is None and cfg.front.log_format == "text"
+    assert cfg.metrics_port is None and cfg.front.worker.log_format == "text"
     assert cfg.front.max_stream_backlog == MAX_STREAM_BACKLOG
     cfg = config_from_args(parser.parse_args(
         ["serve", "--log-format", "json", "--metrics-port", "9100", "--metrics-host", "0.0.0.0",
          "--max-stream-backlog", "8", "--log-level", "debug"]))
     assert cfg.metrics_port == 9100 and cfg.metrics_host == "0.0.0.0"
-    assert cfg.front.log_format == "json" and cfg.front.max_stream_backlog == 8
-    assert cfg.front.log_level == "DEBUG"
+    assert cfg.front.worker.log_format == "json" and cfg.front.max_stream_backlog == 8
+    assert cfg.front.worker.log_level == "DEBUG"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--log-format", "xml"])
 

@@ -10,13 +10,19 @@ import sys
 
 from qil_client.cli_help import DefaultsHelpFormatter
 from qil_worker.attention.names import ATTENTION_CHOICES
-from qil_worker.cli_generate import positive_int
+from qil_worker.cli_args import byte_size, fraction, non_negative_int, port_number, positive_int, positive_seconds
+from qil_worker.engine.config import EngineConfig  # torch-free
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
 from qil_worker.quantization import QUANTIZE_CHOICES
 from qil_worker.service.front import limits
 from qil_worker.service import logs
 from qil_worker.service.front.front import FrontConfig
+from qil_worker.service.protocol import WorkerConfig
 from qil_worker.service.front.server import ServeConfig, serve
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ENGINE = EngineConfig()  # the engine's defaults, which the flags start from
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,9 +39,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve flags, in groups: what the worker loads, how its engine runs, the front,
+    the network and its security, logs and metrics, the HTTP API."""
+    _add_model_arguments(p.add_argument_group('the model (the worker loads it)'))
+    _add_engine_arguments(p.add_argument_group("the KV cache and the scheduler (the worker's engine)"))
+    _add_text_arguments(p.add_argument_group('text and structured output'))
+    _add_front_arguments(p.add_argument_group('the front: admission, restarts, finished requests'))
+    _add_network_arguments(p.add_argument_group('ports, TLS and auth'))
+    _add_observability_arguments(p.add_argument_group('logs and metrics'))
+    _add_http_arguments(p.add_argument_group('the OpenAI-compatible HTTP API'))
+
+
+def _add_model_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--model", default=None, help="Qwen3 checkpoint directory (default: the embedded demo)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
-    p.add_argument("--port", type=_port, default=50051, help="gRPC port; 0 picks a free one (printed at start)")
     p.add_argument("--device", default="cpu", help="where the worker runs the model: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto = the checkpoint's (default: bfloat16 on CUDA, float32 otherwise)")
     p.add_argument("--threads", type=positive_int, default=None,
@@ -46,23 +62,29 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "activations in --dtype (half of bfloat16's weight bytes; CPU, or CUDA where torch has "
         "the kernel); none = as loaded in --dtype",
     )
+
+
+def _add_engine_arguments(p: argparse._ArgumentGroup) -> None:
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument("--num-pages", type=positive_int, default=None, help="KV pages (default: 512)")
+    pool.add_argument("--num-pages", type=positive_int, default=ENGINE.num_pages, help="KV pages")
     pool.add_argument(
-        "--kv-memory-bytes", type=_byte_size, default=None, metavar="N",
+        "--kv-memory-bytes", type=byte_size, default=None, metavar="N",
         help="size the KV pool from a byte budget instead of --num-pages (e.g. 4GiB, 512MiB, 1e9)",
     )
     pool.add_argument(
-        "--kv-memory-fraction", type=_fraction, default=None, metavar="F",
+        "--kv-memory-fraction", type=fraction, default=None, metavar="F",
         help="size the KV pool from this fraction of the free device memory after loading the "
         "model, less the activation peak of a --token-budget step (CUDA only)",
     )
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--token-budget", type=int, default=512, help="tokens computed per engine step, all requests together")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens of one request per step at most")
-    p.add_argument("--max-active", type=int, default=64, help="requests running at once; more wait in the queue")
+    p.add_argument("--page-size", type=positive_int, default=ENGINE.page_size, help="tokens per KV page")
+    p.add_argument("--token-budget", type=positive_int, default=ENGINE.token_budget,
+                   help="tokens computed per engine step, all requests together")
+    p.add_argument("--prefill-chunk", type=positive_int, default=ENGINE.prefill_chunk,
+                   help="prompt tokens of one request per step at most")
+    p.add_argument("--max-active", type=positive_int, default=ENGINE.max_active,
+                   help="requests running at once; more wait in the queue")
     p.add_argument(
-        "--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
+        "--schedule-policy", choices=SCHEDULE_POLICIES, default=ENGINE.schedule_policy,
         help="order in which waiting requests are admitted: fcfs (arrival order), or "
         "shortest-first (fewest tokens left to compute after the cached prefix; lower mean TTFT "
         "under bursts, a request is overtaken at most %d times)" % MAX_BYPASS,
@@ -72,7 +94,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="do not reuse the KV of shared prompt prefixes (on by default)",
     )
     p.add_argument(
-        "--attention", choices=ATTENTION_CHOICES, default="auto",
+        "--attention", choices=ATTENTION_CHOICES, default=ENGINE.attention,
         help="attention backend: auto (CUDA: the fastest at start-up of the varlen kernels this build "
         "runs and gather + SDPA), sdpa, varlen (paged varlen flash attention), or varlen-packed "
         "(varlen flash attention over keys gathered without padding)",
@@ -91,6 +113,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="read each step's tokens before scheduling the next, instead of scheduling it while "
         "the device computes (overlapped scheduling: on by default on CUDA, off elsewhere)",
     )
+
+
+def _add_text_arguments(p: argparse._ArgumentGroup) -> None:
     tok = p.add_mutually_exclusive_group()
     tok.add_argument(
         "--tokenizer", default=None, metavar="DIR",
@@ -108,6 +133,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "their memory (~110-180 MB at 151k) in a server that never sees one, but that first "
         "request waits for them and other streams stall meanwhile (the build holds the GIL)",
     )
+
+
+def _add_front_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--max-queued", type=non_negative_int, default=1024,
         help="unfinished requests admitted beyond --max-active; more is RESOURCE_EXHAUSTED",
@@ -129,6 +157,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="...and at most this many output tokens in all (top logprobs count too)",
     )
     p.add_argument(
+        "--max-stream-backlog", type=non_negative_int, default=limits.MAX_STREAM_BACKLOG, metavar="TOKENS",
+        help="a streaming call whose client falls more than this many tokens behind (with one "
+        "write stuck for a second) ends with "
+        "RESOURCE_EXHAUSTED and its requests are cancelled (0: no bound)",
+    )
+
+
+def _add_network_arguments(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    p.add_argument("--port", type=port_number, default=50051, help="gRPC port; 0 picks a free one (printed at start)")
+    p.add_argument(
         "--auth-token", default=None,
         help="require 'authorization: Bearer TOKEN' (default: $QIL_AUTH_TOKEN; unset: no auth)",
     )
@@ -141,12 +180,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=None,
                    help="PEM CA; requires client certificates signed by it (mutual TLS; default: none asked)")
-    p.add_argument(
-        "--max-stream-backlog", type=non_negative_int, default=limits.MAX_STREAM_BACKLOG, metavar="TOKENS",
-        help="a streaming call whose client falls more than this many tokens behind (with one "
-        "write stuck for a second) ends with "
-        "RESOURCE_EXHAUSTED and its requests are cancelled (0: no bound)",
-    )
+
+
+
+def _add_observability_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
                    help="of both processes")
     p.add_argument(
@@ -154,13 +191,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="text, or json: one JSON object per line (ts, level, logger, message, process, request_id)",
     )
     p.add_argument(
-        "--metrics-port", type=_port, default=None,
+        "--metrics-port", type=port_number, default=None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus_client; "
         "default: off)",
     )
     p.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (default: --host)")
+
+
+def _add_http_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
-        "--http-port", type=_port, default=None,
+        "--http-port", type=port_number, default=None,
         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health; /metrics with --metrics-port) on this port, same front and auth "
         "(needs aiohttp: pip install 'qil[http]'; default: off)",
@@ -172,12 +212,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "more is answered 503 and closed",
     )
     p.add_argument(
-        "--http-header-timeout", type=_positive_seconds, default=limits.HTTP_HEADER_TIMEOUT_S, metavar="S",
+        "--http-header-timeout", type=positive_seconds, default=limits.HTTP_HEADER_TIMEOUT_S, metavar="S",
         help="an HTTP connection that has not sent a request's line and headers within S seconds "
         "(of its connect, or of the next request's first byte) is closed",
     )
     p.add_argument(
-        "--http-keepalive-timeout", type=_positive_seconds, default=limits.HTTP_KEEPALIVE_TIMEOUT_S,
+        "--http-keepalive-timeout", type=positive_seconds, default=limits.HTTP_KEEPALIVE_TIMEOUT_S,
         metavar="S", help="an idle kept-alive HTTP connection is closed after S seconds",
     )
     p.add_argument(
@@ -187,70 +227,44 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-_UNITS = {
-    "": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine flags → the worker's ``EngineConfig`` (an unset switch: the engine's default)."""
+    return EngineConfig(
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        token_budget=args.token_budget,
+        prefill_chunk=args.prefill_chunk,
+        max_active=args.max_active,
+        prefix_cache=not args.no_prefix_cache,
+        schedule_policy=args.schedule_policy,
+        attention=args.attention,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        step_graphs=False if args.no_step_graphs else None,
+        overlap=False if args.no_overlap else None,
+    )
 
 
-def _byte_size(text: str) -> int:
-    """``4GiB``, ``512MiB``, ``1e9``, ``1000000`` → bytes."""
-    raw = text.strip().lower().replace("_", "")
-    number = raw.rstrip("kmgtib")
-    unit = raw[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive byte size like 4GiB or 512MiB, got {text!r}")
-    return int(value * _UNITS[unit])
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}")
-    return value
-
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
-    return value
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        quantize=None if args.quantize == "none" else args.quantize,
+        engine=engine_config(args),
+        kv_memory_bytes=args.kv_memory_bytes,
+        kv_memory_fraction=args.kv_memory_fraction,
+        tokenizer=args.tokenizer,
+        use_tokenizer=not args.no_tokenizer,
+        structured_warmup=not args.no_structured_warmup,
+        log_level=args.log_level.upper(),
+        log_format=args.log_format,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The serve flags → the one ``ServeConfig`` (its front's, its worker's and its engine's
+    configs inside), made once."""
     token = args.auth_token if args.auth_token is not None else os.environ.get("QIL_AUTH_TOKEN")
     return ServeConfig(
         host=args.host,
@@ -270,36 +284,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         http_keepalive_timeout=args.http_keepalive_timeout,
         served_model_name=args.served_model_name,
         front=FrontConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            threads=args.threads,
-            quantize=None if args.quantize == "none" else args.quantize,
-            engine=dict(
-                num_pages=args.num_pages,
-                page_size=args.page_size,
-                token_budget=args.token_budget,
-                prefill_chunk=args.prefill_chunk,
-                max_active=args.max_active,
-                prefix_cache=not args.no_prefix_cache,
-                schedule_policy=args.schedule_policy,
-                attention=args.attention,
-                **({"cuda_graphs": False} if args.no_cuda_graphs else {}),
-                **({"overlap": False} if args.no_overlap else {}),
-                **({"step_graphs": False} if args.no_step_graphs else {}),
-            ),
-            kv_memory_bytes=args.kv_memory_bytes,
-            kv_memory_fraction=args.kv_memory_fraction,
-            tokenizer=args.tokenizer,
-            use_tokenizer=not args.no_tokenizer,
-            structured_warmup=not args.no_structured_warmup,
+            worker=worker_config(args),
             max_queued=args.max_queued,
             max_restarts=args.max_restarts,
             retain_finished=args.retain_finished,
             retain_seconds=args.retain_seconds,
             retain_tokens=args.retain_tokens,
-            log_level=args.log_level.upper(),
-            log_format=args.log_format,
             max_stream_backlog=args.max_stream_backlog,
         ),
     )

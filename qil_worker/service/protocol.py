@@ -32,6 +32,7 @@ import enum
 import operator
 from dataclasses import dataclass, field, fields
 
+from qil_worker.engine.config import EngineConfig  # torch-free
 from qil_worker.engine.spec import RequestSpec  # torch-free
 
 
@@ -80,6 +81,32 @@ class RejectKind(str, enum.Enum):
     DUPLICATE = "duplicate"
     PRECONDITION = "precondition"  # e.g. text sent to a worker without a tokenizer
     INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What the worker process is started with, built once from the command line.
+
+    ``quantize``: None keeps the weights in ``dtype``, "int8" quantizes them at load. The KV
+    pool is ``engine.num_pages``, unless sized from a byte budget (``kv_memory_bytes``) or a
+    fraction of the free device memory (``kv_memory_fraction``). ``tokenizer``: None takes the
+    model directory's when it has one; ``use_tokenizer`` False serves token ids only.
+    ``structured_warmup``: build the grammar library's tokenizer tables before Ready.
+    """
+
+    model: str | None = None  # None: the embedded demo model
+    device: str = "cpu"
+    dtype: str | None = None
+    threads: int | None = None
+    quantize: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    kv_memory_bytes: int | None = None
+    kv_memory_fraction: float | None = None
+    tokenizer: str | None = None
+    use_tokenizer: bool = True
+    structured_warmup: bool = True
+    log_level: str = "INFO"
+    log_format: str = "text"  # or "json"
 
 
 # ---------------------------------------------------------------- front → worker

@@ -75,22 +75,9 @@ WORKER_DIED = "worker process died"
 
 @dataclass
 class FrontConfig:
-    model: str | None = None
-    device: str = "cpu"
-    dtype: str | None = None
-    threads: int | None = None
-    # None: weights in ``dtype``; "int8": quantized at load (``Qwen3.from_directory(quantize=)``)
-    quantize: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
-    # KV pool from a byte budget or a fraction of free device memory instead of engine["num_pages"]
-    kv_memory_bytes: int | None = None
-    kv_memory_fraction: float | None = None
-    # None: the model directory's tokenizer when it has one; a path: that tokenizer
-    tokenizer: str | None = None
-    use_tokenizer: bool = True
-    # build the grammar library's tokenizer tables when the worker starts (not at the first
-    # constrained request; see --no-structured-warmup)
-    structured_warmup: bool = True
+    """The front's own settings, and what its worker is started with (``worker``)."""
+
+    worker: P.WorkerConfig = field(default_factory=P.WorkerConfig)
     max_queued: int = 1024
     max_restarts: int = 5
     restart_backoff_s: float = 0.5
@@ -99,8 +86,6 @@ class FrontConfig:
     retain_finished: int = limits.RETAIN_FINISHED
     retain_seconds: float = limits.RETAIN_SECONDS
     retain_tokens: int = limits.RETAIN_TOKENS
-    log_level: str = "INFO"
-    log_format: str = "text"  # or "json" (the worker logs in the same format)
     # A streaming call (Generate, StreamEvents) whose reader leaves more than this many produced
     # tokens unwritten is ended with RESOURCE_EXHAUSTED and its requests are cancelled.
     max_stream_backlog: int = limits.MAX_STREAM_BACKLOG
@@ -124,7 +109,7 @@ class Front:
             on_finished=self._report_finished,
         )
         self.supervisor = WorkerSupervisor(
-            _worker_config(config),
+            config.worker,
             RestartPolicy(config.max_restarts, config.restart_backoff_s, config.stable_after_s,
                           config.start_timeout_s),
             events=self,
@@ -165,7 +150,7 @@ class Front:
 
     @property
     def max_unfinished(self) -> int:
-        return int(self.config.engine.get("max_active", 64)) + self.config.max_queued
+        return self.config.worker.engine.max_active + self.config.max_queued
 
     async def start(self) -> None:
         """Start the first worker and wait until it is loaded and warm (or raise WorkerFailed)."""
@@ -447,22 +432,3 @@ class Front:
 
     async def stop_worker(self, timeout: float = 10.0) -> None:
         await self.supervisor.stop(timeout)
-
-
-def _worker_config(config: FrontConfig) -> dict[str, Any]:
-    """What ``worker.worker_main`` is started with."""
-    return {
-        "model": config.model,
-        "device": config.device,
-        "dtype": config.dtype,
-        "threads": config.threads,
-        "quantize": config.quantize,
-        "engine": dict(config.engine),
-        "kv_memory_bytes": config.kv_memory_bytes,
-        "kv_memory_fraction": config.kv_memory_fraction,
-        "tokenizer": config.tokenizer,
-        "use_tokenizer": config.use_tokenizer,
-        "structured_warmup": config.structured_warmup,
-        "log_level": config.log_level,
-        "log_format": config.log_format,
-    }

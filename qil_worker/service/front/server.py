@@ -158,7 +158,7 @@ class Server:
         ctx = HttpContext(
             front=self.front,
             health=self.health,
-            model_name=served_model_name(cfg.front.model, cfg.served_model_name),
+            model_name=served_model_name(cfg.front.worker.model, cfg.served_model_name),
             token_strings=TokenStrings(self.front),
             auth_token=cfg.auth_token.encode() if cfg.auth_token else None,
             metrics=self.metrics,

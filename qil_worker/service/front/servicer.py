@@ -219,14 +219,11 @@ def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:
 
 def _configured(front: Front) -> tuple[pb.ModelInfo, pb.EngineLimits]:
     """Before any worker was ready (the model still loads): what the configuration says."""
-    cfg = front.config
+    cfg = front.config.worker
     eng = cfg.engine
     model = pb.ModelInfo(name=cfg.model or "demo", demo=not cfg.model, device=cfg.device)
     engine_limits = pb.EngineLimits(
-        page_size=eng.get("page_size") or 0,
-        token_budget=eng.get("token_budget") or 0,
-        prefill_chunk=eng.get("prefill_chunk") or 0,
-        max_active=eng.get("max_active") or 0,
-        schedule_policy=eng.get("schedule_policy") or "",
+        page_size=eng.page_size, token_budget=eng.token_budget, prefill_chunk=eng.prefill_chunk,
+        max_active=eng.max_active, schedule_policy=eng.schedule_policy,
     )
     return model, engine_limits

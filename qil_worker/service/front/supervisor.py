@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from qil_worker.service import protocol as P
+from qil_worker.service.protocol import WorkerConfig
 from qil_worker.service.front.worker_process import WorkerFailed, WorkerProcess, WorkerState
 
 log = logging.getLogger("qil.front")
@@ -48,7 +49,7 @@ class RestartPolicy:
 
 
 class WorkerSupervisor:
-    def __init__(self, worker_config: dict[str, Any], policy: RestartPolicy, events: WorkerEvents) -> None:
+    def __init__(self, worker_config: WorkerConfig, policy: RestartPolicy, events: WorkerEvents) -> None:
         self._worker_config = worker_config
         self._policy = policy
         self._events = events

@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Callable
 
 from qil_worker.service import protocol as P
+from qil_worker.service.protocol import WorkerConfig
 
 log = logging.getLogger("qil.front")
 
@@ -61,7 +62,7 @@ class WorkerProcess:
 
     @classmethod
     def spawn(
-        cls, gen: int, worker_config: dict[str, Any], deliver: Callable[[int, Any], None]
+        cls, gen: int, worker_config: WorkerConfig, deliver: Callable[[int, Any], None]
     ) -> "WorkerProcess":
         """Start ``worker_main(worker_config)`` in a fresh interpreter and the pipe threads;
         ``deliver(gen, message)`` is called from the reader thread."""

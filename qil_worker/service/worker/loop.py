@@ -21,6 +21,7 @@ loop. Structured-output constraints are compiled on another thread (``constraint
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -53,8 +54,8 @@ ENCODING_POLL_S = 0.01  # idle while prompts are tokenized: how often the pipe i
 FAULT_FORWARD_ENV = "QIL_TEST_FAULT_FORWARD"
 
 
-def worker_main(conn: Any, config: dict[str, Any]) -> None:
-    """Process entry point. ``config``: model, device, dtype, threads, engine kwargs, demo flag."""
+def worker_main(conn: Any, config: P.WorkerConfig) -> None:
+    """Process entry point: load what ``config`` names, tell the front, serve it."""
     # The front owns signals: Ctrl-C in a terminal, systemd's stop and ``kill -TERM -PGID`` reach
     # the whole process group, and the front decides when (after the grace period) the worker
     # stops: it sends STOP, and kills a worker that does not. A worker whose front is gone exits
@@ -63,7 +64,7 @@ def worker_main(conn: Any, config: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from qil_worker.service import logs
 
-    logs.setup(config.get("log_level", "INFO"), config.get("log_format", "text"))
+    logs.setup(config.log_level, config.log_format)
     parent_pid = os.getppid()
     try:
         engine, info = _load(config)
@@ -88,10 +89,7 @@ def worker_main(conn: Any, config: dict[str, Any]) -> None:
     sys.exit(code)
 
 
-DEFAULT_NUM_PAGES = 512
-
-
-def _load(config: dict[str, Any]):
+def _load(config: P.WorkerConfig):
     import torch
 
     from qil_worker.cpu_memory import configure_process
@@ -101,10 +99,10 @@ def _load(config: dict[str, Any]):
     from qil_worker.model import Qwen3
     from qil_worker.text.tokenizer import EncodingTraits, encoding_traits, tokenizer_summary
 
-    configure_process(config.get("device", "cpu"))  # before the model: the first oneDNN call fixes them
-    if config.get("threads"):
-        torch.set_num_threads(int(config["threads"]))
-    model_dir = config.get("model")
+    configure_process(config.device)  # before the model: the first oneDNN call fixes them
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model_dir = config.model
     demo = not model_dir
     if demo:
         from qil_worker.service.demo_model import ensure_demo_model
@@ -113,30 +111,27 @@ def _load(config: dict[str, Any]):
         log.info("serving the embedded DEMO model (random weights) from %s", model_dir)
     t0 = time.perf_counter()
     model = Qwen3.from_directory(
-        model_dir, device=config.get("device", "cpu"), dtype=config.get("dtype"), quantize=config.get("quantize"),
+        model_dir, device=config.device, dtype=config.dtype, quantize=config.quantize,
     )
     weight_format, weight_bytes = model.weight_summary()
     cfg = model.config
     tokenizer, tokenizer_dir = _load_tokenizer(config, model_dir, cfg.vocab_size)
-    engine_kw = dict(config.get("engine", {}))
-    num_pages = engine_kw.pop("num_pages", None)
-    memory_bytes = config.get("kv_memory_bytes")
-    memory_fraction = config.get("kv_memory_fraction")
-    if num_pages is None and memory_bytes is None and memory_fraction is None:
-        num_pages = DEFAULT_NUM_PAGES
-    scratch = scratch_pages(model, engine_kw.get("cuda_graphs"), engine_kw.get("debug", False))
+    engine_config = config.engine
+    memory_bytes, memory_fraction = config.kv_memory_bytes, config.kv_memory_fraction
+    sized = memory_bytes is not None or memory_fraction is not None  # else: engine_config.num_pages
+    scratch = scratch_pages(model, engine_config.cuda_graphs, engine_config.debug)
     pool = size_pool(
-        model, int(engine_kw.get("page_size", 16)), num_pages=num_pages,
-        memory_bytes=memory_bytes, memory_fraction=memory_fraction,
-        warmup_tokens=int(engine_kw.get("token_budget", 512)),
+        model, engine_config.page_size, num_pages=None if sized else engine_config.num_pages,
+        memory_bytes=memory_bytes, memory_fraction=memory_fraction, warmup_tokens=engine_config.token_budget,
         reserved_pages=scratch, graphs=scratch > 0,  # the scratch page means graphs
     )
     # retained_results=0: results reach the front in the final events, none is read back
-    engine = Engine(model, num_pages=pool.num_pages, tokenizer=tokenizer, retained_results=0, **engine_kw)
+    engine_config = dataclasses.replace(engine_config, num_pages=pool.num_pages, retained_results=0)
+    engine = Engine(model, engine_config, tokenizer=tokenizer)
     _warm_up(engine, cfg.vocab_size)
     _install_forward_fault(model, os.environ.get(FAULT_FORWARD_ENV))
     structured = _can_constrain(engine)  # imports the grammar library: before the heap freeze
-    if structured and config.get("structured_warmup", True):
+    if structured and config.structured_warmup:
         # Before Ready, not on a thread beside the loop: building the library's tokenizer tables
         # holds the GIL for much of its second or two, which would stall every stream that long.
         t_warm = time.perf_counter()
@@ -152,7 +147,7 @@ def _load(config: dict[str, Any]):
         max_position_embeddings=cfg.max_position_embeddings,
         eos_token_ids=list(cfg.eos_token_ids),
         dtype=str(getattr(model, "dtype", cfg.torch_dtype)).replace("torch.", ""),
-        device=str(getattr(model, "device", config.get("device", "cpu"))),
+        device=str(model.device),
         num_hidden_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
         has_tokenizer=tokenizer is not None,
@@ -248,7 +243,7 @@ def _install_forward_fault(model: Any, spec: str | None) -> None:
     log.warning("TEST FAULT INJECTION ON: forward calls %d..%d will raise", first_call, first_call + num - 1)
 
 
-def _load_tokenizer(config: dict[str, Any], model_dir: str, vocab_size: int) -> tuple[Any, str | None]:
+def _load_tokenizer(config: P.WorkerConfig, model_dir: str, vocab_size: int) -> tuple[Any, str | None]:
     """The tokenizer lives in the worker, next to the engine, and not in the front.
 
     The engine detokenizes every token and matches stop strings in the same step that produced
@@ -257,17 +252,17 @@ def _load_tokenizer(config: dict[str, Any], model_dir: str, vocab_size: int) -> 
     Doing this in the front would need a round trip per token to stop, and would pull
     transformers (and its import time and memory) into the process that must stay light.
 
-    ``config["tokenizer"]``: a directory (must load), or None for the model directory's own
+    ``config.tokenizer``: a directory (must load), or None for the model directory's own
     tokenizer when it has one and transformers is installed (otherwise: serve token ids only).
-    ``config["use_tokenizer"]`` False disables it.
+    ``config.use_tokenizer`` False disables it.
     """
     from qil_worker.errors import TokenizerUnavailableError
     from qil_worker.text import load_tokenizer
     from qil_worker.text.tokenizer import has_tokenizer_files
 
-    if not config.get("use_tokenizer", True):
+    if not config.use_tokenizer:
         return None, None
-    explicit = config.get("tokenizer")
+    explicit = config.tokenizer
     path = explicit or model_dir
     if explicit is None:
         if not has_tokenizer_files(path):
