@@ -58,7 +58,7 @@ def test_models_lists_the_served_name(oai):
 
 
 def test_served_model_name_defaults_to_the_directory(text_dir):
-    from qil_worker.service.front.http.site import served_model_name
+    from qil_worker.service.front.http.context import served_model_name
 
     assert served_model_name(str(text_dir), None) == text_dir.name
     assert served_model_name(str(text_dir) + "/", None) == text_dir.name

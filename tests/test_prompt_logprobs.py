@@ -173,7 +173,7 @@ def test_logits_only_at_sampled_positions_for_requests_that_do_not_ask(model):
     chunks = [ScheduledChunk(plain, 0, 12), ScheduledChunk(asking, 0, 6)]
     batch = build_step_inputs(chunks, engine.runner.attention, 4, model.config.num_query_groups, model.device)
     assert [c.request for c in batch.sampled] == [plain]
-    assert [(r.request, r.start, r.count) for r in batch.prompt_rows] == [(asking, 0, 6)]
+    assert [(r.collector, r.start, r.count) for r in batch.prompt_rows] == [(asking.prompt_logprobs, 0, 6)]
     flat = {id(c.request): sum(x.num_tokens for x in batch.chunks[: batch.chunks.index(c)]) for c in batch.chunks}
     assert batch.logit_indices.tolist() == [flat[id(plain)] + 11] + [flat[id(asking)] + p for p in range(6)]
     # the last chunk of the prompt: its last position is the sampled one, not scored again

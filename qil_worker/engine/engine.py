@@ -21,7 +21,7 @@ from qil_worker.engine.config import EngineConfig
 from qil_worker.engine.in_flight import InFlightStep, stays_in_flight
 from qil_worker.engine.runner.model_runner import ModelRunner
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
-from qil_worker.engine.request import Request
+from qil_worker.engine.request import Request, members, unforked
 from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.engine.scheduler import ScheduledChunk, Scheduler
 from qil_worker.engine.spec import DEFAULT_MAX_NEW_TOKENS, RequestSpec
@@ -294,7 +294,7 @@ class Engine:
     def cancel(self, request_id: str) -> bool:
         """End a request (all its samples) now and free its pages; True if it was still active."""
         request = self._requests.get(request_id)
-        live = [] if request is None else [m for m in samples.members(request) if not m.finished]
+        live = [] if request is None else [m for m in members(request) if not m.finished]
         for sample in live:
             self._finish(sample, FinishReason.CANCELLED)
             self._pending.append(samples.tagged(self._final_event(sample, handed_out_now=False), sample))
@@ -348,7 +348,7 @@ class Engine:
             read_before = True
         if failure is not None:
             failed = [chunk.request for chunk in chunks]
-            failed += [s for r in failed for s in samples.unforked(r)]  # their prompt failed too
+            failed += [s for r in failed for s in unforked(r)]  # their prompt failed too
             # a request may have had its token of the step read above: its failure is the next call's
             self._fail_step(failed, failure, events, defer=read_before)
         elif launched is not None and self.device_failure is None:
@@ -409,7 +409,7 @@ class Engine:
             defer = False
             in_step = set(failed)
             failed += [
-                m for r in self._requests.values() for m in samples.members(r)
+                m for r in self._requests.values() for m in members(r)
                 if not m.finished and m not in in_step
             ]
         out = self._pending if defer else events
@@ -490,7 +490,7 @@ class Engine:
         if not keep_id:
             self._requests.pop(request.request_id, None)
         if self._retained_results:
-            self._results[request.request_id] = [m.result() for m in samples.members(request)]
+            self._results[request.request_id] = [m.result() for m in members(request)]
             while len(self._results) > self._retained_results:
                 self._results.popitem(last=False)
         return result
@@ -512,7 +512,7 @@ class Engine:
         """``result`` of every sample of the request, in sample order (one unless ``n > 1``)."""
         request = self._requests.get(request_id)
         if request is not None:
-            return [m.result() for m in samples.members(request)]
+            return [m.result() for m in members(request)]
         try:
             return list(self._results[request_id])
         except KeyError:
@@ -526,7 +526,7 @@ class Engine:
         """Forget a finished request's result now (one the engine already let go of, or never
         knew, is nothing to forget)."""
         request = self._requests.get(request_id)
-        if request is not None and not all(m.finished for m in samples.members(request)):
+        if request is not None and not all(m.finished for m in members(request)):
             raise ValueError(f"request {request_id!r} is still active; cancel it first")
         self._results.pop(request_id, None)
 
@@ -599,7 +599,7 @@ class Engine:
     def _withdraw(self, request_ids: list[str]) -> None:
         """Forget requests that were submitted but not yet stepped, as if never submitted."""
         for request_id in request_ids:
-            for sample in samples.members(self._requests.pop(request_id)):
+            for sample in members(self._requests.pop(request_id)):
                 self._finish(sample, FinishReason.CANCELLED)
 
     def close(self) -> None:
@@ -608,7 +608,7 @@ class Engine:
             return
         self._in_flight = None  # its tokens are dropped with the requests
         for request in list(self._requests.values()):
-            for sample in samples.members(request):
+            for sample in members(request):
                 if not sample.finished:
                     self._finish(sample, FinishReason.CANCELLED)
         self._pending.clear()

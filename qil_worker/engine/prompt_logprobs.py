@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
 from qil_worker.engine.outputs import Event
 from qil_worker.engine.transfer import to_device
 from qil_worker.errors import InvalidRequestError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from qil_worker.engine.request import Request
 
 # Scored positions × (1 + N) of one request at most: its event then stays a few MB (about 17
 # bytes a top candidate, 8 a position), well under the wire's message limit and the front's
@@ -91,9 +87,11 @@ class PromptLogprobs:
 
 @dataclass(frozen=True)
 class PromptRows:
-    """``count`` logit rows of one step scoring ``request``'s prompt from position ``start``."""
+    """``count`` logit rows of one step scoring a request's ``prompt`` (its token ids) from
+    position ``start``, into the request's ``collector``."""
 
-    request: "Request"
+    prompt: list[int]
+    collector: PromptLogprobs
     start: int
     count: int
 
@@ -105,10 +103,10 @@ def score(logits: torch.Tensor, spans: list[PromptRows]) -> None:
         return
     device = logits.device
     targets = to_device(
-        [t for s in spans for t in s.request.prompt_token_ids[s.start + 1 : s.start + 1 + s.count]],
+        [t for s in spans for t in s.prompt[s.start + 1 : s.start + 1 + s.count]],
         device, torch.long,
     )
-    n_top = min(max(s.request.prompt_logprobs.top_n for s in spans), logits.shape[1])
+    n_top = min(max(s.collector.top_n for s in spans), logits.shape[1])
     chosen_parts, value_parts, id_parts = [], [], []
     for first in range(0, logits.shape[0], SCORE_ROWS):
         logprobs = torch.log_softmax(logits[first : first + SCORE_ROWS].float(), dim=-1)
@@ -122,7 +120,7 @@ def score(logits: torch.Tensor, spans: list[PromptRows]) -> None:
     top_ids = torch.cat(id_parts).tolist() if n_top else []
     row = 0
     for s in spans:
-        collector = s.request.prompt_logprobs
+        collector = s.collector
         collector.logprobs.extend(chosen[row : row + s.count])
         n = collector.top_n
         if n:

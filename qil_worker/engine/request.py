@@ -15,7 +15,6 @@ from qil_worker.text.output import TextOutput
 
 if TYPE_CHECKING:
     from qil_worker.structured.matcher import ConstraintMatcher
-    from qil_worker.engine.samples import SampleGroup
 
 
 class RequestStatus(enum.Enum):
@@ -163,3 +162,25 @@ class Request:
         if scored is None or not scored.complete:
             return {}
         return {"prompt_logprobs": scored.logprobs, "prompt_top_logprobs": scored.top}
+
+
+@dataclass(eq=False)
+class SampleGroup:
+    """The samples of one request, sample ``i`` at ``members[i]``."""
+
+    members: list["Request"]
+    unforked: list["Request"] = field(default_factory=list)  # samples 1.. until sample 0 forks
+
+    def running_after(self, request: "Request") -> int:
+        """How many samples other than ``request`` are not finished."""
+        return sum(1 for m in self.members if m is not request and not m.finished)
+
+
+def members(request: "Request") -> list["Request"]:
+    """Every sample of the request ``request`` belongs to (itself alone when ``n == 1``)."""
+    return [request] if request.group is None else request.group.members
+
+
+def unforked(request: "Request") -> list["Request"]:
+    """The samples waiting for ``request`` (sample 0) to fork them; empty once forked."""
+    return request.group.unforked if request.group is not None and request.sample_index == 0 else []

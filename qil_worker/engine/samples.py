@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,11 +37,11 @@ import torch
 from qil_worker.engine.outputs import RequestMetrics
 from qil_worker.engine.transfer import to_device
 from qil_worker.errors import CapacityError
+from qil_worker.engine.request import Request, RequestStatus, SampleGroup, unforked
 from qil_worker.kv.page_table import PageTable, pages_for
 
 if TYPE_CHECKING:
     from qil_worker.engine.outputs import Event
-    from qil_worker.engine.request import Request
     from qil_worker.engine.scheduler import Scheduler
     from qil_worker.kv.cache import KVCache
     from qil_worker.kv.page_pool import PagePool
@@ -55,28 +55,6 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1  # 63 bits, as the engine's own random seeds
 
 
-@dataclass(eq=False)
-class SampleGroup:
-    """The samples of one request, sample ``i`` at ``members[i]``."""
-
-    members: list["Request"]
-    unforked: list["Request"] = field(default_factory=list)  # samples 1.. until sample 0 forks
-
-    def running_after(self, request: "Request") -> int:
-        """How many samples other than ``request`` are not finished."""
-        return sum(1 for m in self.members if m is not request and not m.finished)
-
-
-def members(request: "Request") -> list["Request"]:
-    """Every sample of the request ``request`` belongs to (itself alone when ``n == 1``)."""
-    return [request] if request.group is None else request.group.members
-
-
-def unforked(request: "Request") -> list["Request"]:
-    """The samples waiting for ``request`` (sample 0) to fork them; empty once forked."""
-    return request.group.unforked if request.group is not None and request.sample_index == 0 else []
-
-
 def make_samples(first: "Request", n: int, fresh: "Callable[[Request], None]") -> None:
     """Give ``first`` (sample 0, as submitted) ``n - 1`` sibling samples, waiting to fork.
 
@@ -86,7 +64,6 @@ def make_samples(first: "Request", n: int, fresh: "Callable[[Request], None]") -
     State shared on purpose: the prompt, its hashes and its scored log-probabilities (delivered
     once, with the request's first token).
     """
-    from qil_worker.engine.request import RequestStatus
 
     group = SampleGroup([first])
     first.group = group

@@ -20,8 +20,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from qil_worker.engine.request import Request, RequestStatus
-from qil_worker.engine.samples import unforked
+from qil_worker.engine.request import Request, RequestStatus, unforked
 from qil_worker.kv.page_pool import PagePool
 from qil_worker.kv.prefix_cache import PrefixCache
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES, SHORTEST_FIRST_WINDOW

@@ -125,7 +125,7 @@ def flat_tokens(ordered: list[ScheduledChunk]) -> StepTokens:
             if scored:
                 offset = len(input_ids) - chunk.start
                 prompt_indices.extend(range(scored.start + offset, scored.stop + offset))
-                prompt_rows.append(PromptRows(chunk.request, scored.start, len(scored)))
+                prompt_rows.append(PromptRows(chunk.request.prompt_token_ids, chunk.request.prompt_logprobs, scored.start, len(scored)))
         if chunk.request.in_flight_row >= 0:  # a decode of the token in flight: its one input
             in_flight_indices.append(len(input_ids))
             in_flight_sources.append(chunk.request.in_flight_row)

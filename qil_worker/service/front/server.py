@@ -151,7 +151,8 @@ class Server:
     async def _start_http(self) -> None:
         """The OpenAI-compatible API beside gRPC, on this loop, over the same front (its
         library is imported only here: a gRPC-only front never loads it)."""
-        from qil_worker.service.front.http.site import HttpContext, HttpSite, served_model_name
+        from qil_worker.service.front.http.context import HttpContext, served_model_name
+        from qil_worker.service.front.http.site import HttpSite
         from qil_worker.service.front.http.token_strings import TokenStrings
 
         cfg = self.config

@@ -18,7 +18,7 @@ from qil_worker.service.front.http.shapes import by_sample, created, ids_for_str
 from qil_worker.service.front.http.sse import ChunkFrame, EventStream, dumps
 
 if TYPE_CHECKING:
-    from qil_worker.service.front.http.site import HttpContext
+    from qil_worker.service.front.http.context import HttpContext
 
 
 class Endpoint(Protocol):

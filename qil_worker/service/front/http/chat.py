@@ -12,7 +12,7 @@ from qil_worker.service.front.http.params import CallParams, Prompt, chat_params
 from qil_worker.service.front.http.shapes import chat_logprobs, finish_reason, output_text
 
 if TYPE_CHECKING:
-    from qil_worker.service.front.http.site import HttpContext
+    from qil_worker.service.front.http.context import HttpContext
 
 
 async def fill_context(ctx: "HttpContext", params: CallParams) -> None:

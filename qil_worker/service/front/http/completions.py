@@ -13,7 +13,7 @@ from qil_worker.service.front.http.params import CallParams, Prompt, completion_
 from qil_worker.service.front.http.shapes import completion_logprobs, finish_reason, output_text, prompt_part
 
 if TYPE_CHECKING:
-    from qil_worker.service.front.http.site import HttpContext
+    from qil_worker.service.front.http.context import HttpContext
 
 
 @dataclass

@@ -6,10 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -21,40 +17,15 @@ from qil_worker.service.front.http.chat import Chat
 from qil_worker.service.front.http import tokens
 from qil_worker.service.front.http.completions import Completions
 from qil_worker.service.front.http.connections import Connections, GuardedSite, limit_accept_log
-from qil_worker.service.front.http.token_strings import TokenStrings
-
-if TYPE_CHECKING:
-    from qil_worker.service.front.front import Front
-    from qil_worker.service.front.health import Health
+from qil_worker.service.front.http.context import HttpContext
 
 log = logging.getLogger("qil.http")
 
-DEMO_MODEL_NAME = "qil-demo"
 # paths that answer without the bearer token (as gRPC health does; Prometheus scrapes
 # without one, as on the --metrics-port endpoint)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # on shutdown, after the drain: how long a handler still running may take to end
 SHUTDOWN_TIMEOUT_S = 1.0
-
-
-def served_model_name(model_dir: str | None, configured: str | None) -> str:
-    """``--served-model-name``, else the model directory's name (``qil-demo`` for the demo)."""
-    if configured:
-        return configured
-    if not model_dir:
-        return DEMO_MODEL_NAME
-    return os.path.basename(os.path.normpath(model_dir)) or model_dir
-
-
-@dataclass
-class HttpContext:
-    front: "Front"
-    health: "Health"
-    model_name: str
-    token_strings: TokenStrings
-    auth_token: bytes | None
-    metrics: object | None  # a metrics.Metrics (its registry is served at /metrics)
-    created: int = field(default_factory=lambda: int(time.time()))  # the model's "created"
 
 
 def make_app(ctx: HttpContext) -> web.Application:

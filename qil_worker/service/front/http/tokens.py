@@ -14,7 +14,7 @@ from qil_worker.service.front.http.params import chat_messages, token_ids_of, th
 from qil_worker.service.front.http.sse import dumps
 
 if TYPE_CHECKING:
-    from qil_worker.service.front.http.site import HttpContext
+    from qil_worker.service.front.http.context import HttpContext
 
 
 def _check_model(ctx: "HttpContext", body: dict) -> None:
