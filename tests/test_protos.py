@@ -62,7 +62,7 @@ def test_finish_reason_zero_is_unspecified():
     from qil_worker.service.protocol import FinishReason
 
     for reason in FinishReason:
-        assert pb.FinishReason.Name(reason) == f"FINISH_REASON_{reason.name}"
+        assert pb.FinishReason.Name(reason.number) == f"FINISH_REASON_{reason.name}"
 
 
 def _modules_after_import(code: str) -> set[str]:

@@ -130,7 +130,7 @@ def test_submit_request_carries_logit_bias_and_names_what_the_wire_cannot_carry(
 def test_build_event_carries_them_from_seq_0_only_and_retention_counts_them():
     req = FrontRequest("r", prompt_len=3)
     assert retained_size(req) == 1
-    req.prompt_logprobs = P.PromptLogprobs([-1.0, -2.0], [[(4, -0.5), (1, -1.0)], [(2, -0.25), (3, -2.0)]])
+    req.prompt_logprobs = P.ScoredPrompt([-1.0, -2.0], [[(4, -0.5), (1, -1.0)], [(2, -0.25), (3, -2.0)]])
     req.append(5, None, None, None)
     req.append(6, None, None, None)
     ev, cursor, _ = build_event(req, 0)
@@ -149,7 +149,7 @@ def test_build_event_carries_them_from_seq_0_only_and_retention_counts_them():
 
 def test_step_batches_carry_them_sparsely_through_a_pickle():
     stats = P.PoolStats(8, 1, 7, 1, 0, 0, 0.0)
-    scored = P.PromptLogprobs([-1.0, -0.5], None)
+    scored = P.ScoredPrompt([-1.0, -0.5], None)
     batch = P.StepBatch([], ["a", "b"], [3, 4], [None, None], [None, None], [None, None], {}, stats, None,
                         {}, {"b": scored})
     back = pickle.loads(pickle.dumps(batch))

@@ -401,9 +401,9 @@ def test_async_session_info_and_health(server, model_dir):
 
 
 def _final(reason, prompt, output, preemptions=0, stop=None, mean_itl=0.01, max_itl=0.02):
-    from qil_worker.service.protocol import FinalRecord, RequestMetrics
+    from qil_worker.service.protocol import FinalRecord, RequestTimings
 
-    metrics = RequestMetrics(0.1, 0.2, mean_itl, max_itl, 0.3, preemptions)
+    metrics = RequestTimings(0.1, 0.2, mean_itl, max_itl, 0.3, preemptions)
     return FinalRecord(reason, None, prompt, output, 0, stop, metrics)
 
 

@@ -155,9 +155,9 @@ def test_the_async_client_groups_the_samples(server):
 
 
 def _record(reason, output):
-    from qil_worker.service.protocol import FinalRecord, RequestMetrics
+    from qil_worker.service.protocol import FinalRecord, RequestTimings
 
-    return FinalRecord(reason, None, 2, output, 0, None, RequestMetrics(0.1, 0.2, 0.0, 0.0, 0.3, 0))
+    return FinalRecord(reason, None, 2, output, 0, None, RequestTimings(0.1, 0.2, 0.0, 0.0, 0.3, 0))
 
 
 def _drain(req, cursor):

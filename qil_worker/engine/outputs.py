@@ -16,6 +16,24 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"
     ERROR = "error"
 
+    @property
+    def label(self) -> str:
+        """The name used in logs and metric labels (``"stop"``...)."""
+        return self.value
+
+    @property
+    def number(self) -> int:
+        """Its number in ``qil.v1.FinishReason`` (the wire's)."""
+        return _NUMBERS[self]
+
+    @classmethod
+    def of_number(cls, number: int) -> "FinishReason":
+        return _REASONS[number]
+
+
+_NUMBERS = {FinishReason.STOP: 1, FinishReason.LENGTH: 2, FinishReason.CANCELLED: 3, FinishReason.ERROR: 4}
+_REASONS = {number: reason for reason, number in _NUMBERS.items()}
+
 
 @dataclass(frozen=True)
 class Event:

@@ -33,6 +33,7 @@ import operator
 from dataclasses import dataclass, field, fields
 
 from qil_worker.engine.config import EngineConfig  # torch-free
+from qil_worker.engine.outputs import FinishReason  # torch-free: one FinishReason, engine to front
 from qil_worker.engine.spec import RequestSpec  # torch-free
 
 
@@ -57,20 +58,6 @@ def message(cls: type) -> type:
         get_all = operator.attrgetter(*names)
         cls.__reduce__ = lambda self: (cls, get_all(self))
     return cls
-
-
-class FinishReason(enum.IntEnum):
-    """Why a request ended; the numbers are those of ``qil.v1.FinishReason``."""
-
-    STOP = 1
-    LENGTH = 2
-    CANCELLED = 3
-    ERROR = 4
-
-    @property
-    def label(self) -> str:
-        """The lower-case name used in logs and metric labels (``"stop"``...)."""
-        return self.name.lower()
 
 
 class RejectKind(str, enum.Enum):
@@ -230,7 +217,7 @@ class Ack:
 
 
 @message
-class RequestMetrics:
+class RequestTimings:
     """Timings of a finished request in seconds (None: the moment never came), as
     ``qil.v1.RequestMetrics`` names them."""
 
@@ -252,11 +239,11 @@ class FinalRecord:
     num_output_tokens: int
     num_cached_tokens: int
     stop_reason: int | str | None  # on STOP: the token id or the stop string that ended it
-    metrics: RequestMetrics | None
+    metrics: RequestTimings | None
 
 
 @message
-class PromptLogprobs:
+class ScoredPrompt:
     """A request's prompt log-probabilities (``Event.prompt_logprobs``), sent once, with its
     first token: ``logprobs[i]`` scores prompt token i + 1; ``top`` None unless N > 0."""
 
@@ -298,7 +285,7 @@ class StepBatch:
     stats: PoolStats
     timing: StepTiming | None  # None: the iteration ran no step (only acks)
     cached: dict[str, int]
-    prompt_logprobs: dict[str, PromptLogprobs]
+    prompt_logprobs: dict[str, ScoredPrompt]
     samples: list[int] | None = None
 
     def __reduce__(self) -> tuple:
@@ -308,7 +295,7 @@ class StepBatch:
             [(a.request_id, a.num_prompt_tokens, None if a.rejection is None else (
                 a.rejection.kind.value, a.rejection.field, a.rejection.message)) for a in self.acks],
             self.request_ids, self.token_ids, self.texts, self.logprobs, self.top_logprobs,
-            {rid: (int(f.reason), f.error, f.num_prompt_tokens, f.num_output_tokens,
+            {rid: (f.reason.number, f.error, f.num_prompt_tokens, f.num_output_tokens,
                    f.num_cached_tokens, f.stop_reason, None if f.metrics is None else _METRICS(f.metrics))
              for rid, f in self.finals.items()},
             _STATS(self.stats),
@@ -319,7 +306,7 @@ class StepBatch:
         ))
 
 
-_METRICS = operator.attrgetter(*(f.name for f in fields(RequestMetrics)))
+_METRICS = operator.attrgetter(*(f.name for f in fields(RequestTimings)))
 _STATS = operator.attrgetter(*(f.name for f in fields(PoolStats)))
 
 
@@ -330,12 +317,12 @@ def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list
     return StepBatch(
         [Ack(rid, n, None if r is None else Rejection(RejectKind(r[0]), r[1], r[2])) for rid, n, r in acks],
         ids, tokens, texts, logprobs, tops,
-        {rid: FinalRecord(FinishReason(f[0]), *f[1:6], None if f[6] is None else RequestMetrics(*f[6]))
+        {rid: FinalRecord(FinishReason.of_number(f[0]), *f[1:6], None if f[6] is None else RequestTimings(*f[6]))
          for rid, f in finals.items()},
         PoolStats(*stats),
         None if timing is None else StepTiming(*timing),
         cached,
-        {rid: PromptLogprobs(*p) for rid, p in prompt_logprobs.items()},
+        {rid: ScoredPrompt(*p) for rid, p in prompt_logprobs.items()},
         samples,
     )
 

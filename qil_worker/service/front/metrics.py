@@ -103,7 +103,7 @@ class Metrics:
         self.batch.observe(step.batch_size)
 
     def on_finished(
-        self, reason: str, prompt_tokens: int, output_tokens: int, metrics: P.RequestMetrics | None
+        self, reason: str, prompt_tokens: int, output_tokens: int, metrics: P.RequestTimings | None
     ) -> None:
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(max(prompt_tokens, 0))

@@ -15,7 +15,7 @@ import collections
 import time
 from typing import NamedTuple, Protocol
 
-from qil_worker.service.protocol import FinalRecord, FinishReason, PromptLogprobs
+from qil_worker.service.protocol import FinalRecord, FinishReason, ScoredPrompt
 
 
 class Listener(Protocol):
@@ -64,7 +64,7 @@ class FrontRequest:
         self.final: FinalRecord | None = None  # how it ended, once it has
         self.lost = False  # ended because the worker died
         self.cached_tokens = 0  # prompt tokens from the prefix cache, once its first token came
-        self.prompt_logprobs: PromptLogprobs | None = None  # asked for, and the prompt is scored
+        self.prompt_logprobs: ScoredPrompt | None = None  # asked for, and the prompt is scored
         self._listeners: set[Listener] = set()
 
     def listen(self, listener: Listener) -> None:

@@ -12,7 +12,7 @@ from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_worker.service.front import limits
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted
 from qil_worker.service.front.request_log import FrontRequest, SampleEnd
-from qil_worker.service.protocol import RequestMetrics
+from qil_worker.service.protocol import RequestTimings
 
 if TYPE_CHECKING:
     from qil_worker.service.front.front import Front
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("qil.server")
 
 
-def request_metrics(metrics: RequestMetrics) -> pb.RequestMetrics:
+def request_metrics(metrics: RequestTimings) -> pb.RequestMetrics:
     return pb.RequestMetrics(
         queue_time_s=metrics.queue_time_s or 0.0,
         ttft_s=metrics.ttft_s or 0.0,
@@ -99,7 +99,7 @@ def _close(ev: pb.Event, req: FrontRequest, end: SampleEnd, ends_seen: int) -> b
     done = req.final is not None and ends_seen == len(req.ends)
     ev.sample_finished = True
     ev.finished = done
-    ev.finish_reason = final.reason
+    ev.finish_reason = final.reason.number
     if final.error:
         ev.error = final.error
     ev.num_prompt_tokens = req.prompt_len

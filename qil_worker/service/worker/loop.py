@@ -324,7 +324,7 @@ def submit(engine: Any, msg: Pending, error: BaseException | None = None) -> P.A
 
 def final_record(result: Any) -> P.FinalRecord:
     """An engine ``Result`` of a finished request → what the front keeps of it."""
-    reason = P.FinishReason[result.finish_reason.name]  # the same names on both sides
+    reason = result.finish_reason
     return P.FinalRecord(
         reason=reason,
         error=result.error,
@@ -332,7 +332,7 @@ def final_record(result: Any) -> P.FinalRecord:
         num_output_tokens=len(result.output_token_ids),
         num_cached_tokens=int(result.num_cached_tokens),
         stop_reason=result.stop_reason if reason is P.FinishReason.STOP else None,
-        metrics=P.RequestMetrics(
+        metrics=P.RequestTimings(
             queue_time_s=result.queue_time,
             ttft_s=result.ttft,
             mean_itl_s=result.mean_inter_token_latency,
@@ -368,7 +368,7 @@ def step_batch(acks: list[P.Ack], events: list, stats: P.PoolStats, timing: P.St
         timing=timing,
         cached=cached,
         prompt_logprobs={
-            ev.request_id: P.PromptLogprobs(ev.prompt_logprobs, ev.prompt_top_logprobs)
+            ev.request_id: P.ScoredPrompt(ev.prompt_logprobs, ev.prompt_top_logprobs)
             for ev in events if ev.prompt_logprobs is not None
         },
         samples=[ev.sample_index for ev in events] if any(ev.sample_index for ev in events) else None,
