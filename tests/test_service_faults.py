@@ -236,7 +236,7 @@ def test_exception_in_forward_fails_that_step_only(model_dir, monkeypatch):
     """QIL_TEST_FAULT_FORWARD (test-only, environment only) makes one forward call raise: the
     request in that step ends with an in-band error, the waiting one runs on, no page leaks,
     and later tokens are right."""
-    from qil_worker.service.worker.loop import FAULT_FORWARD_ENV
+    from qil_worker.service.worker.startup import FAULT_FORWARD_ENV
 
     engine = dict(ENGINE, max_active=1)  # B waits while A runs: A alone is in the failing step
     fault_at = 300
@@ -280,7 +280,7 @@ def test_a_sticky_device_error_replaces_the_worker(model_dir, monkeypatch):
     """A step that leaves the device unusable (CUDA's illegal memory access, injected here as
     the AcceleratorError torch raises) ends every request in the worker with that error, and the
     worker exits to be replaced: the server serves again instead of failing every step."""
-    from qil_worker.service.worker.loop import FAULT_FORWARD_ENV
+    from qil_worker.service.worker.startup import FAULT_FORWARD_ENV
 
     monkeypatch.setenv(FAULT_FORWARD_ENV, "20:1:device")
     srv = start_server(model_dir, engine=dict(ENGINE, max_active=1), restart_backoff_s=0.2)
@@ -311,7 +311,7 @@ def test_a_sticky_device_error_replaces_the_worker(model_dir, monkeypatch):
 
 
 def test_fault_hook_is_off_by_default():
-    from qil_worker.service.worker.loop import FAULT_FORWARD_ENV, _install_forward_fault
+    from qil_worker.service.worker.startup import FAULT_FORWARD_ENV, _install_forward_fault
 
     class M:
         def forward(self, x):
