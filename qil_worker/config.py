@@ -1,8 +1,9 @@
 """Qwen3 ``config.json`` → a typed, validated config.
 
-Only the dense Qwen3 architecture is accepted; anything we would silently compute wrong
-(another model type, non-default RoPE scaling, sliding windows, attention biases) is rejected
-with an error that names the field.
+Two architectures are accepted: dense Qwen3 (``model_type: qwen3``) and Qwen3-MoE
+(``qwen3_moe``: sparse MLP blocks of routed experts, no shared expert). Anything we would
+silently compute wrong (another model type, non-default RoPE scaling, sliding windows, attention
+biases) is rejected with an error that names the field.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any
 
 from qil_worker.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+# model_type → the transformers class its checkpoints are written by
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
 
 _REQUIRED_INT_FIELDS = (
     "hidden_size",
@@ -92,11 +95,25 @@ def _quantization(raw: Any) -> Fp8Quantization | None:
 # Where config.json is silent, transformers' Qwen3Config defaults decide what the weights mean.
 DEFAULT_ROPE_THETA = 10_000.0
 DEFAULT_HEAD_DIM = 128
+# ... and for qwen3_moe, transformers' Qwen3MoeConfig's (its head_dim: hidden / heads).
+MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                "decoder_sparse_step": 1, "max_position_embeddings": 32768}
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Weights of the model, and of them those one token's forward reads (``active``: every
+    routed expert but its top-k left out; embedding and LM head included, as Qwen counts the
+    "A3B" of Qwen3-30B-A3B)."""
+
+    total: int
+    active: int
 
 
 @dataclass(frozen=True)
 class Qwen3Config:
-    """The hyper-parameters the forward needs, with Qwen3's meaning of each."""
+    """The hyper-parameters the forward needs, with Qwen3's meaning of each (``architecture``:
+    "qwen3" or "qwen3_moe", the config's ``model_type``)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -112,25 +129,75 @@ class Qwen3Config:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     quantization: Fp8Quantization | None = None
+    # Qwen3-MoE (architecture "qwen3_moe"); a dense model has no experts
+    architecture: str = "qwen3"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def num_query_groups(self) -> int:
         """Query heads that share one KV head (GQA group size)."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture == "qwen3_moe"
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer ``index``'s MLP is routed experts (else a dense MLP of
+        ``intermediate_size``), by transformers' rule."""
+        return (
+            self.is_moe and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i))
+
+    def parameter_count(self) -> ParameterCount:
+        """Total and per-token active weights (see ``ParameterCount``), from the shapes alone."""
+        h, d = self.hidden_size, self.head_dim
+        attention = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads) + 2 * h + 2 * d
+        dense_mlp = 3 * h * self.intermediate_size
+        expert = 3 * h * self.moe_intermediate_size
+        router = self.num_experts * h
+        sparse = len(self.sparse_layers)
+        dense = self.num_hidden_layers - sparse
+        outer = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        shared = outer + self.num_hidden_layers * attention + dense * dense_mlp + sparse * router
+        return ParameterCount(
+            total=shared + sparse * self.num_experts * expert,
+            active=shared + sparse * self.num_experts_per_tok * expert,
+        )
+
+    def describe(self) -> str:
+        """One line for the start-up log: the architecture and its weights, total and per token."""
+        count = self.parameter_count()
+        text = f"{self.architecture}: {self.num_hidden_layers} layers"
+        if self.is_moe:
+            text += (f" ({len(self.sparse_layers)} sparse: {self.num_experts} experts, "
+                     f"top-{self.num_experts_per_tok}, expert width {self.moe_intermediate_size}"
+                     f"{', top-k renormalised' if self.norm_topk_prob else ''})")
+        return f"{text}; {_count(count.total)} parameters, {_count(count.active)} active per token"
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Qwen3Config":
         """Validate a parsed config.json (Transformers 4.x or 5.x spelling)."""
         model_type = raw.get("model_type")
-        if model_type != "qwen3":
+        if model_type not in ARCHITECTURES:
             raise ConfigError(
-                f"model_type: expected 'qwen3' (dense Qwen3), got {model_type!r}; "
-                "qil only serves Qwen3 dense text models"
+                f"model_type: expected 'qwen3' (dense Qwen3) or 'qwen3_moe' (Qwen3-MoE), got "
+                f"{model_type!r}; qil only serves Qwen3 text models"
             )
         architectures = raw.get("architectures")
-        if architectures is not None and not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        if architectures is not None and ARCHITECTURES[model_type] not in architectures:
             raise ConfigError(
-                f"architectures: expected one of {list(SUPPORTED_ARCHITECTURES)}, got {architectures!r}"
+                f"architectures: expected {[ARCHITECTURES[model_type]]} for model_type "
+                f"{model_type!r}, got {architectures!r}"
             )
         for name in _REQUIRED_INT_FIELDS:
             _positive_int(raw, name)
@@ -139,7 +206,9 @@ class Qwen3Config:
             raise ConfigError(
                 f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}"
             )
-        head_dim = raw.get("head_dim", DEFAULT_HEAD_DIM)
+        moe = model_type == "qwen3_moe"
+        # transformers' Qwen3MoeConfig has no head_dim default: its attention takes hidden / heads
+        head_dim = raw.get("head_dim", raw["hidden_size"] // heads if moe else DEFAULT_HEAD_DIM)
         if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise ConfigError(f"head_dim: expected a positive even integer, got {head_dim!r}")
         if raw.get("attention_bias"):
@@ -149,6 +218,8 @@ class Qwen3Config:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act: only 'silu' is supported, got {act!r}")
+        experts = _experts(raw) if moe else {}
+        default_positions = MOE_DEFAULTS["max_position_embeddings"] if moe else 40960
         return cls(
             hidden_size=raw["hidden_size"],
             num_hidden_layers=raw["num_hidden_layers"],
@@ -160,10 +231,12 @@ class Qwen3Config:
             rms_norm_eps=_positive_number(raw, "rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=_positive_int(raw, "max_position_embeddings", 40960),
+            max_position_embeddings=_positive_int(raw, "max_position_embeddings", default_positions),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization=_quantization(raw.get("quantization_config")),
+            architecture=model_type,
+            **experts,
         )
 
     @classmethod
@@ -182,6 +255,45 @@ class Qwen3Config:
         config = cls.from_dict(raw)
         extra = [i for i in _generation_eos_ids(Path(path)) if i not in config.eos_token_ids]
         return replace(config, eos_token_ids=config.eos_token_ids + tuple(extra))
+
+
+def _experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3-MoE fields, validated; transformers' Qwen3MoeConfig defaults where silent.
+    ``router_aux_loss_coef`` and ``output_router_logits`` only matter to training: ignored."""
+    both = "num_experts" in raw and "num_local_experts" in raw
+    if both and raw["num_experts"] != raw["num_local_experts"]:
+        # transformers >= 5 writes num_local_experts and maps num_experts onto it; which one a
+        # reader takes differs between versions, so a file that says both must say one thing
+        raise ConfigError(
+            f"num_experts ({raw['num_experts']!r}) and num_local_experts ({raw['num_local_experts']!r}) "
+            "disagree; they are two spellings of the expert count"
+        )
+    name = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    num_experts = _positive_int(raw, name, MOE_DEFAULTS["num_experts"])
+    top_k = _positive_int(raw, "num_experts_per_tok", MOE_DEFAULTS["num_experts_per_tok"])
+    if top_k > num_experts:
+        raise ConfigError(f"num_experts_per_tok: {top_k} is more than the {num_experts} experts")
+    norm_topk_prob = raw.get("norm_topk_prob", False)
+    if not isinstance(norm_topk_prob, bool):
+        raise ConfigError(f"norm_topk_prob: expected true or false, got {norm_topk_prob!r}")
+    layers = raw["num_hidden_layers"]
+    mlp_only = raw.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
+    ):
+        raise ConfigError(
+            f"mlp_only_layers: expected a list of layer indices in [0, {layers}), got {mlp_only!r}"
+        )
+    if raw.get("shared_expert_intermediate_size"):  # Qwen2-MoE's shared expert: not in Qwen3-MoE
+        raise ConfigError("shared_expert_intermediate_size: Qwen3-MoE has no shared expert")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=_positive_int(raw, "moe_intermediate_size", MOE_DEFAULTS["moe_intermediate_size"]),
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=_positive_int(raw, "decoder_sparse_step", MOE_DEFAULTS["decoder_sparse_step"]),
+        mlp_only_layers=tuple(sorted(set(mlp_only))),
+    )
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
@@ -250,3 +362,7 @@ def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return _eos_ids(raw.get("eos_token_id"), f"{path.name}: eos_token_id")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**8 else f"{n / 1e6:.2f}M"

@@ -73,6 +73,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # --------------------------------------------------------------------------------------------
 
 
+def _engine_takes(engine_class: type, option: str) -> bool:
+    """Whether this tree's Engine takes ``option`` (an EngineConfig field, or before the config,
+    a keyword of its own): the script also runs against older engines."""
+    try:
+        from qil_worker.engine.config import FIELDS
+    except ImportError:
+        return option in inspect.signature(engine_class).parameters
+    return option in FIELDS
+
+
 def ensure_model(path: Path, shape: dict) -> Path:
     """Write a random Qwen3ForCausalLM with ``shape`` to ``path`` unless it is already there."""
     if (path / "config.json").exists() and any(path.glob("*.safetensors")):
@@ -225,7 +235,7 @@ def bench_dtype(args, model_dir: Path, dtype_name: str, prompts: list[list[int]]
     hf_model = load_hf(model_dir, dtype)
     print(f"bench[{dtype_name}]: models loaded in {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
     extra = {}
-    if "prefix_cache" in inspect.signature(Engine).parameters:
+    if _engine_takes(Engine, "prefix_cache"):
         # the same prompts run several times (warm-up, single, batch, repeats): a prefix cache
         # would skip their prefill, which transformers cannot; measure the compute instead
         extra["prefix_cache"] = args.prefix_cache

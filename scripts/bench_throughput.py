@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import DTYPES, FULL_SHAPE, QUICK_SHAPE, ensure_model, load_hf  # noqa: E402
 from qil_worker.attention.names import ATTENTION_CHOICES  # noqa: E402
+from random_models import SHAPES, random_model  # noqa: E402
 from qil_worker.engine.schedule_policy import SCHEDULE_POLICIES  # noqa: E402
 
 
@@ -143,7 +144,7 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
         "graph_decode_steps": graphs.steps, "graphs": engine.runner.graph_capture.count,
         "graph_capture_s": round(engine.runner.graph_capture.seconds, 2),
     }
-    if getattr(engine, "step_graphs", None) is not None:  # steps with prefill chunks, padded
+    if engine.runner.step_graphs is not None:  # steps with prefill chunks, padded
         extra["graph_mixed_steps"] = engine.runner.step_graphs.steps
         extra["eager_steps"] = engine.runner.step_graphs.misses  # fit no graph bucket (or scored prompts)
     if hasattr(engine, "overlap"):
@@ -242,6 +243,9 @@ def print_table(rows: list[dict], title: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--random-shape", choices=sorted(SHAPES), default=None,
+                   help="instead of a checkpoint, a random model of this shape built in memory "
+                   "(qwen3-30b-a3b: Qwen3-MoE's; qil only)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", nargs="+", default=None, choices=sorted(DTYPES),
                    help="default: float32 bfloat16 on CPU, bfloat16 on CUDA")
@@ -283,19 +287,21 @@ def main(argv=None) -> int:
         p.error("--rounds must be at least 1")
     if args.prefix_heavy and "qil" not in args.systems:
         p.error("--prefix-heavy compares qil runs: include qil in --systems")
+    if args.random_shape and {"hf-static", "hf-continuous"} & set(args.systems):
+        p.error("--random-shape builds no checkpoint for transformers (use --systems qil)")
     if args.request_rate != float("inf") and {"hf-static", "hf-continuous"} & set(args.systems):
         p.error("--request-rate applies to the qil systems only (use --systems qil)")
     from qil_worker import cpu_memory
 
     cpu_memory.configure_process(args.device)
     torch.set_num_threads(args.threads)
-    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    shape = SHAPES[args.random_shape] if args.random_shape else QUICK_SHAPE if args.quick else FULL_SHAPE
     args.requests = args.requests or (4 if args.quick else 256 if cuda else 16)
     args.prompt_range = args.prompt_range or ([8, 40] if args.quick else [100, 1024] if cuda else [32, 256])
     args.output_range = args.output_range or ([4, 12] if args.quick else [100, 1024] if cuda else [32, 128])
     dtypes = args.dtype or (["bfloat16"] if cuda else ["float32", "bfloat16"])
     default_dir = Path.home() / ".cache" / "qil" / ("bench-quick" if args.quick else "bench-qwen3-0.6b-shape")
-    model_dir = ensure_model(args.model_dir or default_dir, shape)
+    model_dir = None if args.random_shape else ensure_model(args.model_dir or default_dir, shape)
     prefix = (64 if args.quick else 512) if args.prefix_heavy else 0  # --quick: the tiny model has 512 positions
     reqs = workload(args.requests, tuple(args.prompt_range), tuple(args.output_range), shape["vocab_size"],
                     args.seed, prefix)
@@ -313,7 +319,10 @@ def main(argv=None) -> int:
     prefix_ratios: dict[str, list[dict]] = {}  # --prefix-heavy: TTFT ratios of every round
     for dtype_name in dtypes:
         rows = []
-        model = Qwen3.from_directory(model_dir, device=args.device, dtype=dtype_name)
+        if model_dir is None:
+            model = random_model(shape, args.device, DTYPES[dtype_name])
+        else:
+            model = Qwen3.from_directory(model_dir, device=args.device, dtype=dtype_name)
         if "qil" in args.systems:
             run_qil(model, reqs[:2], args)  # warm-up
             add_row(rows, run_qil(model, reqs, args))

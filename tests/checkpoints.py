@@ -167,3 +167,86 @@ def make_fp8_checkpoint(
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+MOE_TINY_CONFIG: dict[str, Any] = dict(
+    TINY_CONFIG,
+    num_hidden_layers=3,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    mlp_only_layers=[0],
+    decoder_sparse_step=1,
+    norm_topk_prob=False,
+)
+# The routers' spread: logits a few units apart, so top-k choices are decided by the weights and
+# not by the rounding in which qil and transformers differ.
+ROUTER_STD = 0.6
+
+
+def make_moe_checkpoint(
+    path: Path, seed: int = 0, max_shard_size: str | None = None, expert_count_key: str = "num_local_experts",
+    **overrides: Any,
+) -> Path:
+    """Save a random ``Qwen3MoeForCausalLM`` (float32) to ``path`` and return it: 8 experts,
+    top-2, layer 0 a dense MLP (``MOE_TINY_CONFIG``), weights drawn as ``make_checkpoint`` does
+    and the routers wider (``ROUTER_STD``). ``expert_count_key``: the spelling config.json
+    gets, transformers 5's ``num_local_experts`` or the official checkpoints' ``num_experts``."""
+    import json
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(**{**MOE_TINY_CONFIG, **overrides})
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, ROUTER_STD if name.endswith("mlp.gate.weight") else 0.15)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    path = Path(path)
+    if expert_count_key != "num_local_experts":
+        raw = json.loads((path / "config.json").read_text())
+        raw[expert_count_key] = raw.pop("num_local_experts")
+        (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return path
+
+
+def load_moe_reference(path: Path, dtype: torch.dtype = torch.float32):
+    """The transformers MoE model for a checkpoint directory, in eval mode."""
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def make_fp8_moe_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random Qwen3-MoE checkpoint in the layout of Qwen3-30B-A3B-FP8: every attention, dense
+    MLP and expert projection float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128
+    block; the routers (``mlp.gate``, listed in ``modules_to_not_convert`` as there, with
+    ``lm_head``), norms, embedding and LM head bfloat16."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    make_moe_checkpoint(path, seed=seed, **overrides)
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if module.split(".")[-1] in FP8_LINEARS:
+            tensors[name], tensors[module + ".weight_scale_inv"] = quantize_fp8_blocks(tensor)
+        else:
+            tensors[name] = tensor.to(torch.bfloat16)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    routers = sorted({name.removesuffix(".weight") for name in tensors if name.endswith("mlp.gate.weight")})
+    config["dtype"] = "bfloat16"
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", *routers],
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

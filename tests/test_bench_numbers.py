@@ -36,7 +36,7 @@ class FakeEngine:
 
     def __init__(self, model, **kwargs):
         self.prompts, self.left = {}, {}
-        self.runner, self.attention_backend = SimpleNamespace(decode_graphs=None), "fake"
+        self.runner, self.attention_backend = SimpleNamespace(decode_graphs=None, step_graphs=None), "fake"
 
     def submit(self, prompt, max_new_tokens, **kwargs):
         rid = f"r{len(self.prompts)}"

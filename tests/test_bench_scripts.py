@@ -97,3 +97,24 @@ def test_the_hostile_input_run_refuses_every_case_and_leaves_the_server_idle():
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| gRPC") or line.startswith("| HTTP")]
     assert len(rows) > 30 and all(row.endswith("| yes | yes |") for row in rows), out.stdout
+
+
+def test_moe_benchmark_prints_both_systems_and_their_ratios():
+    out = run_script("bench_moe.py", "--quick")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "qwen3_moe:" in text and "active per token" in text
+    for metric in ("(a) TTFT [ms]", "(a) decode [tok/s]", "(b) x8 output [tok/s]"):
+        row = next(line for line in text.splitlines() if line.startswith(metric))
+        qil, transformers, ratio = (float(x) for x in row[len(metric):].split())
+        assert qil > 0 and transformers > 0 and ratio > 0, row
+
+
+def test_throughput_runs_a_random_moe_shape_built_in_memory():
+    out = run_script("bench_throughput.py", "--quick", "--random-shape", "moe-quick", "--systems", "qil",
+                     "--dtype", "float32")
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("qil "))
+    assert float(row.split()[1]) > 0  # output tok/s
+    refused = run_script("bench_throughput.py", "--quick", "--random-shape", "moe-quick")
+    assert refused.returncode == 2 and "--random-shape builds no checkpoint" in refused.stderr

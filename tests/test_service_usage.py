@@ -84,7 +84,7 @@ def test_worker_loss(server, client):
 
 def test_a_failed_step(model_dir, monkeypatch):
     """The forward fails (test-only fault injection) after the cached request made tokens."""
-    from qil_worker.service.worker.loop import FAULT_FORWARD_ENV
+    from qil_worker.service.worker.startup import FAULT_FORWARD_ENV
 
     # forwards 1-2: the warm-up request's two tokens; 3-4: the victim's two; 5 raises
     monkeypatch.setenv(FAULT_FORWARD_ENV, "5")

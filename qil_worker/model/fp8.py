@@ -25,8 +25,10 @@ FP8_STORED = "F8_E4M3"
 SCALE_SUFFIX = ".weight_scale_inv"
 SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 QUANTIZED_LINEAR = re.compile(
-    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight"
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight"
 )
+# A Qwen3-MoE expert's projection: always dequantized at load (no FP8 expert kernel).
+EXPERT_LINEAR = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 # Rows dequantized at once: bounds the float32 temporaries to a few tens of MB per step.
 _CHUNK_ELEMENTS = 1 << 22
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from qil_worker import cpu_memory
 
-_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+# how close a packed projection must come to the plain one in its self-check, per dtype
+PACK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 # The batch size oneDNN is told to expect when it picks a packed layout (default 1). The layout it
 # picks for 1 is a poor one for float32: slower than the others at every row count, one row too.
 PACK_BATCH_HINT = {torch.float32: 8}
@@ -28,7 +29,7 @@ PACK_BATCH_HINT = {torch.float32: 8}
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch build and CPU can run packed oneDNN linears in ``dtype``."""
-    if device.type != "cpu" or dtype not in _TOLERANCE or not torch.backends.mkldnn.is_available():
+    if device.type != "cpu" or dtype not in PACK_TOLERANCE or not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
     try:
@@ -90,7 +91,7 @@ class Linear(nn.Module):
         except (RuntimeError, AttributeError):
             return None
         want = F.linear(probe, weight).float()
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=_TOLERANCE[weight.dtype], atol=_TOLERANCE[weight.dtype]):
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=PACK_TOLERANCE[weight.dtype], atol=PACK_TOLERANCE[weight.dtype]):
             return None
         return packed
 

@@ -129,7 +129,8 @@ def load_weights(
 
     ``keep_fp8``: a dict that receives each FP8 weight as (float8_e4m3fn weight, float32 scale
     grid) on the model's device, by checkpoint name, instead of its dequantization; those
-    weights' parameters are left unwritten for the caller (``fp8_linear.use_fp8``)."""
+    weights' parameters are left unwritten for the caller (``fp8_linear.use_fp8``). MoE experts
+    are dequantized all the same: no FP8 kernel runs them."""
     targets = model.weight_targets()
     files = shard_files(directory)
     found = read_headers(files)
@@ -149,7 +150,7 @@ def load_weights(
                         continue
                     if name not in quantized:
                         target.copy_(f.get_tensor(name))
-                    elif keep_fp8 is not None:
+                    elif keep_fp8 is not None and not fp8.EXPERT_LINEAR.fullmatch(name):
                         scale = scales[fp8.scale_name(name)]
                         keep_fp8[name] = (f.get_tensor(name).to(target.device), scale.to(target.device))
                     else:

@@ -1,15 +1,16 @@
-"""Our Qwen3 dense forward over a flat batch of tokens from many requests.
+"""Our Qwen3 forward (dense and MoE) over a flat batch of tokens from many requests.
 
 One call computes every scheduled token of a step: tokens of different requests are
 concatenated, each with its absolute position and KV slot; the step's attention metadata keeps
 requests apart (``qil_worker.attention``). Logits are computed only for ``logit_indices``: the
 sampled positions, and the prompt positions of requests that asked for prompt logprobs.
+
+Qwen3-MoE is the same model but for the MLP of its sparse layers (``moe.SparseMoeBlock``), so one
+class serves both architectures. Loading (which weights, FP8, int8, packing) is ``build.py``'s.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from pathlib import Path
 
 import torch
@@ -19,19 +20,18 @@ from torch import nn
 from qil_worker import cpu_memory
 from qil_worker.attention.backend import StepAttention
 from qil_worker.config import Qwen3Config
-from qil_worker.errors import ConfigError
 from qil_worker.kv.cache import KVCache
-from qil_worker.model.dtypes import resolve_device, resolve_dtype
+from qil_worker.model.build import build_model
 from qil_worker.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rope
-from qil_worker.model.linear import Linear, pack_all, packing_supported
-from qil_worker.model.weight_quantization import projection_modules, quantize_projections, weight_summary
-from qil_worker.quantization import resolve_quantize
-
-log = logging.getLogger(__name__)
+from qil_worker.model.linear import Linear, pack_all
+from qil_worker.model.moe import SparseMoeBlock
+from qil_worker.model.packing import pack_model
+from qil_worker.model.weight_quantization import quantize_projections, weight_summary
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block and MLP block, each with a residual."""
+    """Pre-norm attention block and MLP block (dense, or routed experts in a Qwen3-MoE sparse
+    layer), each with a residual."""
 
     def __init__(
         self, index: int, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
@@ -60,7 +60,11 @@ class DecoderLayer(nn.Module):
         self.qk_norm = QKNorm(c.head_dim, c.num_attention_heads, c.rms_norm_eps, dtype, device)
         self.o_proj = Linear(c.hidden_size, q_size, dtype, device)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, dtype, device, fused=self.fused)
+        self.mlp: GatedMLP | SparseMoeBlock
+        if c.is_sparse_layer(index):  # the fused (CUDA) wiring runs the experts grouped too
+            self.mlp = SparseMoeBlock(c, dtype, device, grouped=self.fused)
+        else:
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, dtype, device, fused=self.fused)
 
     def forward(
         self,
@@ -114,7 +118,8 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3(nn.Module):
-    """Qwen3 dense causal LM: embedding, decoder layers, final norm, tied or untied LM head."""
+    """Qwen3 causal LM, dense or MoE: embedding, decoder layers, final norm, tied or untied LM
+    head."""
 
     def __init__(
         self, config: Qwen3Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -151,6 +156,12 @@ class Qwen3(nn.Module):
         return self.embed.dtype
 
     @property
+    def graph_capturable(self) -> bool:
+        """Whether a forward can be captured in a CUDA graph: not where a MoE block runs its
+        experts in a host loop (off CUDA, or no grouped kernel for this dtype or quantization)."""
+        return all(layer.mlp.capturable for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock))
+
+    @property
     def device(self) -> torch.device:
         return self.embed.device
 
@@ -165,46 +176,10 @@ class Qwen3(nn.Module):
         fp8: str = "auto",
         quantize: str | None = None,
     ) -> "Qwen3":
-        """Load a Hugging Face Qwen3 directory strictly (see ``loader.load_weights``).
-
-        ``device`` defaults to CPU; ``dtype`` to bfloat16 on CUDA and float32 elsewhere
-        (``"auto"`` takes the checkpoint's own dtype). ``pack_weights``: on CPU, pack the
-        weights for oneDNN after loading (``pack_weights()``); False keeps the plain parameters.
-        ``fused_projections``: see ``Qwen3``. ``fp8`` (FP8 checkpoints only): ``"auto"`` keeps
-        the FP8 weights and runs block-scaled FP8 matmuls where the device runs them right
-        (``fp8_linear.py``), else dequantizes to ``dtype`` at load; ``"dequantize"`` always does.
-        ``quantize``: None (or "none") keeps the weights in the compute dtype; "int8" quantizes
-        them at load (``quantize_weights``), before packing — an FP8 checkpoint is then
-        dequantized first, whatever ``fp8`` says.
-        """
-        from qil_worker.model import fp8_linear
-        from qil_worker.model.loader import load_weights, stored_dtype
-
-        if fp8 not in ("auto", "dequantize"):
-            raise ConfigError(f"fp8: expected 'auto' or 'dequantize', got {fp8!r}")
-
-        config = Qwen3Config.from_directory(path)
-        quantize = resolve_quantize(quantize)
-        device = resolve_device(device)
-        checkpoint_dtype = config.torch_dtype
-        if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
-            checkpoint_dtype = stored_dtype(Path(path))
-        model = cls(
-            config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
-            fused_projections=fused_projections,
-        )
-        keep_fp8 = config.quantization is not None and fp8 == "auto" and quantize is None
-        kernels = fp8_linear.cuda_kernels(device) if keep_fp8 else []
-        kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {} if kernels else None
-        load_weights(model, Path(path), keep_fp8=kept)
-        summary = fp8_linear.use_fp8(model, kept, kernels) if kept is not None else None
-        if quantize is not None:
-            model.quantize_weights(quantize)
-        if pack_weights:
-            model.pack_weights()
-        if config.quantization is not None:
-            log.info("%s", fp8_linear.describe(model, summary))
-        return model.eval()
+        """Load a Hugging Face Qwen3 or Qwen3-MoE directory strictly: ``build.build_model``,
+        whose docstring says what each argument does."""
+        return build_model(cls, path, device=device, dtype=dtype, pack_weights=pack_weights,
+                           fused_projections=fused_projections, fp8=fp8, quantize=quantize)
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name → the (view of the) parameter it is loaded into."""
@@ -249,25 +224,10 @@ class Qwen3(nn.Module):
         return self.head(self.norm(hidden))
 
     def pack_weights(self) -> int:
-        """Pack every projection and the LM head for oneDNN (CPU; see ``linear.py``): each
-        ``Linear`` then holds only its packed weight; → how many layers were packed (0 where
-        unsupported).
-
-        One explicit step after loading (``from_directory`` takes it): ``weight_targets`` no
-        longer applies. A tied LM head is packed as a copy (the embedding table stays for
-        lookups) — one more vocab x hidden matrix of memory, for a markedly faster LM head at
-        decode sizes.
-        """
-        if not packing_supported(self.device, self.dtype):
-            return 0
-        start = time.perf_counter()
-        # only layers of plain ``Linear``s: quantized projections run on their own kernels
-        plain = [layer for layer in self.layers if all(type(m) is Linear for m in projection_modules(layer))]
-        packed = sum(layer.pack_weights() for layer in plain)
-        head = type(self.head) is Linear and self.head.pack()
-        log.info("weights packed for oneDNN: %d/%d layers, LM head %s (%.1f s)",
-                 packed, len(self.layers), "yes" if head else "no", time.perf_counter() - start)
-        return packed
+        """Pack every plain projection, the experts and the LM head for oneDNN (CPU;
+        ``packing.pack_model``); → how many layers were packed (0 where unsupported). One explicit
+        step after loading (``from_directory`` takes it): ``weight_targets`` no longer applies."""
+        return pack_model(self)
 
     def quantize_weights(self, method: str = "int8", head: bool | None = None) -> int:
         """Quantize every plain projection (and the LM head unless ``head`` is False) with

@@ -1,8 +1,10 @@
 """Quantizing a loaded model's projections, and what its weights run in (formats and bytes).
 
 ``quantize_projections`` swaps every plain ``Linear`` for its quantized variant
-(``int8_linear.Int8Linear``), chooses the kernels per shape once, and logs the choice;
-``weight_summary`` is what the start-up log and GetInfo report.
+(``int8_linear.Int8Linear``) and every stacked expert projection for
+``int8_experts.Int8ExpertLinear`` (a MoE router stays as it is: see ``moe.Router``), chooses the
+kernels per shape once, and logs the choice; ``weight_summary`` is what the start-up log and
+GetInfo report.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections import Counter
 import torch
 from torch import nn
 
+from qil_worker.model.expert_linear import ExpertLinear
+from qil_worker.model.int8_experts import Int8ExpertLinear
 from qil_worker.model.int8_linear import Int8Linear, choose_kernels
 from qil_worker.model.linear import Linear
 from qil_worker.quantization import resolve_quantize
@@ -40,18 +44,27 @@ def quantize_projections(model: nn.Module, method: str, head: bool | None = None
     head = QUANTIZE_HEAD if head is None else head
     start = time.perf_counter()
     swapped: list[Int8Linear] = []
+    experts: list[Int8ExpertLinear] = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if type(child) is ExpertLinear:
+                stacked = Int8ExpertLinear.from_experts(child)
+                setattr(parent, name, stacked)
+                experts.append(stacked)
             if type(child) is not Linear or (child is getattr(model, "head", None) and not head):
                 continue
             quantized = Int8Linear.from_linear(child)
             setattr(parent, name, quantized)
             swapped.append(quantized)
     with torch.inference_mode():
-        choose_kernels(swapped)
-    log.info("weights quantized to int8: %d projections (LM head %s) in %.1f s",
-             len(swapped), "yes" if head else "no", time.perf_counter() - start)
-    return len(swapped)
+        # one expert stands for all of its stack (same shape): timed with the projections
+        choose_kernels(swapped + [stack.probe() for stack in experts])
+    for stack in experts:
+        stack.use_kernels(stack.probe().kernels)
+    log.info("weights quantized to int8: %d projections%s (LM head %s) in %.1f s",
+             len(swapped), f", {len(experts)} stacked expert projections" if experts else "",
+             "yes" if head else "no", time.perf_counter() - start)
+    return len(swapped) + len(experts)
 
 
 def weight_summary(model: nn.Module) -> tuple[str, int]:
@@ -62,7 +75,8 @@ def weight_summary(model: nn.Module) -> tuple[str, int]:
     formats: Counter[str] = Counter()
     for proj in projection_modules(model):
         formats[proj.weight_format] += 1
-        own = [id(t) for t in (*proj.parameters(recurse=False), *proj.buffers(recurse=False))]
+        # recursing: packed experts keep their weights in a ParameterList child
+        own = [id(t) for t in (*proj.parameters(), *proj.buffers())]
         if not any(i in seen for i in own):
             total += proj.weight_bytes()
         seen.update(own)

@@ -186,6 +186,12 @@ class WorkerInfo:
     # the tokenizer's class, special tokens and chat template (``text.tokenizer.tokenizer_summary``;
     # empty without a tokenizer)
     tokenizer_summary: dict = field(default_factory=dict)
+    # the architecture ("qwen3", "qwen3_moe"), its experts and its weights, total and per token
+    architecture: str = "qwen3"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    num_parameters: int = 0
+    num_active_parameters: int = 0
 
 
 @message

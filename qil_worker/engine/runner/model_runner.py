@@ -40,7 +40,8 @@ def scratch_pages(model: Qwen3, cuda_graphs: bool | None = None, debug: bool = F
     decode rows write to, when decode steps run through ``DecodeGraphs`` (by default on CUDA,
     unless ``debug``). A KV memory budget must cover it too."""
     if cuda_graphs is None:
-        cuda_graphs = model.device.type == "cuda" and not debug
+        # (a model whose forward loops on the host, a MoE without a grouped kernel, cannot be captured)
+        cuda_graphs = model.device.type == "cuda" and not debug and model.graph_capturable
     return 1 if cuda_graphs else 0
 
 
@@ -66,6 +67,9 @@ class ModelRunner:
         self.page_size = config.page_size
         if config.cuda_graphs and config.debug and model.device.type == "cuda":
             raise ValueError("debug checks read the device inside the forward; they cannot be captured")
+        if config.cuda_graphs and model.device.type == "cuda" and not model.graph_capturable:
+            raise ValueError("cuda_graphs: this model's forward cannot be captured (its experts run in a host "
+                             "loop: no grouped kernel for its dtype or quantization)")
         # chosen before the KV pool is allocated: ``auto`` times the backends on CUDA
         if attention is not None:
             self.attention, why_not = attention, None

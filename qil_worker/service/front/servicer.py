@@ -204,6 +204,11 @@ def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:
         structured_output=info.structured_output,
         weight_format=info.weight_format,
         weight_bytes=info.weight_bytes,
+        architecture=info.architecture,
+        num_experts=info.num_experts,
+        num_experts_per_tok=info.num_experts_per_tok,
+        num_parameters=info.num_parameters,
+        num_active_parameters=info.num_active_parameters,
     )
     engine_limits = pb.EngineLimits(
         page_size=info.page_size,

@@ -77,6 +77,7 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
     traits = encoding_traits(tokenizer) if tokenizer is not None else EncodingTraits()
     frozen = freeze_startup_heap()
     stats = engine.stats()
+    count = cfg.parameter_count()
     info = P.WorkerInfo(
         name="demo" if demo else str(model_dir),
         demo=demo,
@@ -109,12 +110,17 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         weight_format=weight_format,
         weight_bytes=weight_bytes,
         tokenizer_summary={} if tokenizer is None else tokenizer_summary(tokenizer, cfg.max_position_embeddings),
+        architecture=cfg.architecture,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        num_parameters=count.total,
+        num_active_parameters=count.active,
     )
     log.info(
-        "model %s loaded and warm in %.2fs: dtype %s, device %s, weights %s (%s); %d KV pages (%s); memory: %s; "
+        "model %s loaded and warm in %.2fs: %s; dtype %s, device %s, weights %s (%s); %d KV pages (%s); memory: %s; "
         "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
         "overlapped scheduling: %s; structured output: %s; %d start-up objects frozen for the GC",
-        info.name, time.perf_counter() - t0, info.dtype, info.device, info.weight_format,
+        info.name, time.perf_counter() - t0, cfg.describe(), info.dtype, info.device, info.weight_format,
         _mib(info.weight_bytes), pool.num_pages,
         info.kv_pool, info.memory, tokenizer_dir or "none", "on" if info.prefix_cache else "off",
         info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off",

@@ -1,0 +1,81 @@
+"""A Hugging Face Qwen3 directory → a ready ``Qwen3``: config, dtype, strict weights, then the
+load-time policy (FP8 kept or dequantized, int8 quantization, oneDNN packing) and its log lines.
+
+``Qwen3.from_directory`` is the entry point and hands its class to ``build_model`` (so this
+module needs no import of the model's). config.json's ``model_type`` decides the architecture:
+dense Qwen3, or Qwen3-MoE (the same ``Qwen3`` class with ``moe.SparseMoeBlock`` MLPs in its
+sparse layers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qil_worker.config import Qwen3Config
+from qil_worker.errors import ConfigError
+from qil_worker.model.dtypes import resolve_device, resolve_dtype
+from qil_worker.quantization import resolve_quantize
+
+# The model's start-up lines keep the logger they have always had (tests and log filters read it).
+log = logging.getLogger("qil_worker.model.qwen3")
+
+
+def build_model(
+    model_class: Callable[..., nn.Module],
+    path: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    pack_weights: bool = True,
+    fused_projections: bool | None = None,
+    fp8: str = "auto",
+    quantize: str | None = None,
+) -> nn.Module:
+    """Load a Hugging Face Qwen3 or Qwen3-MoE directory strictly (see ``loader.load_weights``)
+    into a new ``model_class`` (``Qwen3``).
+
+    ``device`` defaults to CPU; ``dtype`` to bfloat16 on CUDA and float32 elsewhere
+    (``"auto"`` takes the checkpoint's own dtype). ``pack_weights``: on CPU, pack the
+    weights for oneDNN after loading (``pack_model``); False keeps the plain parameters.
+    ``fused_projections``: see ``Qwen3`` (True also runs MoE experts through the grouped
+    kernel, as on CUDA). ``fp8`` (FP8 checkpoints only): ``"auto"`` keeps the FP8 weights and
+    runs block-scaled FP8 matmuls where the device runs them right (``fp8_linear.py``; dense
+    projections only, experts are always dequantized), else dequantizes to ``dtype`` at load;
+    ``"dequantize"`` always does. ``quantize``: None (or "none") keeps the weights in the compute
+    dtype; "int8" quantizes them at load (``Qwen3.quantize_weights``), before packing — an FP8
+    checkpoint is then dequantized first, whatever ``fp8`` says.
+    """
+    from qil_worker.model import fp8_linear
+    from qil_worker.model.loader import load_weights, stored_dtype
+
+    if fp8 not in ("auto", "dequantize"):
+        raise ConfigError(f"fp8: expected 'auto' or 'dequantize', got {fp8!r}")
+
+    config = Qwen3Config.from_directory(path)
+    quantize = resolve_quantize(quantize)
+    device = resolve_device(device)
+    checkpoint_dtype = config.torch_dtype
+    if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
+        checkpoint_dtype = stored_dtype(Path(path))
+    model = model_class(
+        config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
+        fused_projections=fused_projections,
+    )
+    keep_fp8 = config.quantization is not None and fp8 == "auto" and quantize is None
+    kernels = fp8_linear.cuda_kernels(device) if keep_fp8 else []
+    kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {} if kernels else None
+    load_weights(model, Path(path), keep_fp8=kept)
+    summary = fp8_linear.use_fp8(model, kept, kernels) if kept is not None else None
+    if quantize is not None:
+        model.quantize_weights(quantize)
+    if pack_weights:
+        model.pack_weights()
+    if config.quantization is not None:
+        log.info("%s", fp8_linear.describe(model, summary))
+    if config.is_moe:
+        log.info("%s", config.describe())
+    return model.eval()
