@@ -4,7 +4,7 @@ Each is a proto3 ``optional`` scalar field of ``qil.v1.SubmitRequest`` with the 
 Python type), left unset unless given so that the server's default applies. Everything else that
 names them derives from this table: the flags of ``python -m qil_client`` and of ``python -m
 qil_worker generate``, what the client CLI sends, and what the front copies from a request into
-``Engine.submit``. ``tests/test_request_options.py`` checks the table against the proto, the
+``Engine.submit``. ``tests/service/test_request_options.py`` checks the table against the proto, the
 engine's ``SamplingParams``, ``submit_request``'s keyword arguments and both command lines, so a
 parameter added in one place and forgotten in another fails there.
 """

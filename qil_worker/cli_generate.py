@@ -81,7 +81,7 @@ def run_generate(args: argparse.Namespace) -> int:
     configure_process(args.device)
     try:
         if args.model is None:
-            from qil_worker.service.demo_model import ensure_demo_model
+            from qil_worker.model.demo import ensure_demo_model
 
             args.model = str(ensure_demo_model())
             print("qil: no --model: the embedded DEMO model (random weights, meaningless outputs)",

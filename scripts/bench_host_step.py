@@ -208,11 +208,11 @@ PLAIN_VOCAB = 64  # token-id prompts need no tokenizer: a vocabulary this small 
 
 
 def make_models(directory: Path, variants: list[str]) -> None:
-    """Random checkpoints as the tests make them (``tests/checkpoints.py``), with room for long
+    """Random checkpoints as the tests make them (``tests/helpers/checkpoints.py``), with room for long
     prompts, in ``directory / variant``: ``plain`` with a vocabulary of ``PLAIN_VOCAB`` ids,
     ``text`` with a small local tokenizer's (about 300)."""
     sys.path.insert(0, str(REPO))
-    from tests.checkpoints import make_checkpoint, make_tokenizer
+    from tests.helpers.checkpoints import make_checkpoint, make_tokenizer
 
     if "text" in variants:
         tokenizer = make_tokenizer(directory / "text")

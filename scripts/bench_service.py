@@ -53,13 +53,13 @@ QUICK = dict(
 def make_model(shape: dict, seed: int = 0) -> Path:
     """A random Qwen3 checkpoint of ``shape`` (written with torch + safetensors, no transformers),
     cached under $QIL_CACHE_DIR (or ~/.cache/qil)."""
-    from qil_worker.service.demo_model import cache_root
+    from qil_worker.model.demo import cache_root
 
     key = hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_root() / f"bench-{key}"
     if (path / "config.json").exists():
         return path
-    from qil_worker.service.demo_model import write_random_checkpoint
+    from qil_worker.model.demo import write_random_checkpoint
 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     write_random_checkpoint(tmp, {**shape, "eos_token_id": None}, seed=seed)

@@ -83,9 +83,9 @@ print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, 
 
     run "engine tests on CUDA" 200 check tests.log "passed|failed|error|skipped|available|^FAILED" \
         env QIL_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider -s -rs \
-        tests/test_gpu.py tests/test_decode_graphs.py tests/test_model_logits.py \
-        tests/test_engine_generate.py tests/test_engine_sampling.py tests/test_prefix_cache.py \
-        tests/test_overlap.py tests/test_step_graphs.py tests/test_moe.py
+        tests/engine/test_gpu.py tests/engine/runner/test_decode_graphs.py tests/model/test_model_logits.py \
+        tests/engine/test_engine_generate.py tests/engine/test_engine_sampling.py tests/kv/test_prefix_cache.py \
+        tests/engine/test_overlap.py tests/engine/runner/test_step_graphs.py tests/model/test_moe.py
     run "0.6B-shaped model" 90 check model.log . "$py" -c '
 import sys; sys.path.insert(0, "scripts")
 from pathlib import Path
@@ -147,8 +147,8 @@ print("model ready")'
 else
     echo "no CUDA device: CPU fallback (quick sizes)"
     run "engine tests (CPU)" 300 check tests.log "passed|failed|error" \
-        "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_decode_graphs.py \
-        tests/test_step_graphs.py tests/test_model_logits.py
+        "$py" -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/runner/test_decode_graphs.py \
+        tests/engine/runner/test_step_graphs.py tests/model/test_model_logits.py
     run "decode step (quick)" 120 bench decode_step.log "." \
         "$py" scripts/bench_decode_step.py --quick --batch 1 8 --steps 5
     run "throughput (quick)" 300 bench throughput.log "^\[|workload|Error" \

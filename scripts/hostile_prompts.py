@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from qil_client import Client  # noqa: E402
 from service_fixtures import serve_process, stop_server_process, wait_until  # noqa: E402

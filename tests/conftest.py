@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# The shared helpers (checkpoints, engine and service fixtures) import by their plain names.
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 from checkpoints import make_checkpoint  # noqa: E402
 

@@ -164,7 +164,7 @@ class RequestSpec:
 
 
 # The keyword names of ``RequestSpec.of`` that are not sampling fields: with SamplingParams'
-# fields, every option a request can give (``tests/test_request_options.py`` pins them to the
+# fields, every option a request can give (``tests/service/test_request_options.py`` pins them to the
 # option table and the proto).
 SPEC_KEYWORDS = (
     "token_ids", "max_new_tokens", "stop_token_ids", "request_id", "text", "messages", "enable_thinking",

@@ -42,7 +42,7 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
     model_dir = config.model
     demo = not model_dir
     if demo:
-        from qil_worker.service.demo_model import ensure_demo_model
+        from qil_worker.model.demo import ensure_demo_model
 
         model_dir = str(ensure_demo_model())
         log.info("serving the embedded DEMO model (random weights) from %s", model_dir)

@@ -29,7 +29,7 @@ from service_fixtures import (
 )
 
 LONG = 6000
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _alive(pid: int) -> bool:
@@ -97,7 +97,7 @@ def test_worker_exits_when_its_front_dies(tmp_path):
     front = subprocess.Popen(
         [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--threads", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     try:
         line = ""
@@ -127,7 +127,7 @@ def test_a_process_that_exits_without_stopping_its_server_does_not_hang(model_di
         "srv = start_server(sys.argv[1])\n"
         "print(srv.server.front.worker_pid, flush=True)\n"  # and exit without srv.stop()
     )
-    tests_dir = str(Path(__file__).resolve().parent)
+    tests_dir = str(Path(__file__).resolve().parents[1] / "helpers")
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(model_dir), tests_dir], stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True,

@@ -18,7 +18,7 @@ import pytest
 from qil_client import Client, NotFound
 from service_fixtures import free_port, join_output, scrape, serve_process, start_server, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:

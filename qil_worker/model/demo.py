@@ -5,7 +5,8 @@ no download. Its outputs are meaningless; logs and GetInfo say "demo". It is wri
 ``$QIL_CACHE_DIR/demo-<version>`` (default ``~/.cache/qil``) with torch, safetensors and json only;
 a byte-level ``tokenizer.json`` is added when the ``tokenizers`` library is importable.
 
-Torch is imported inside the functions: the front process imports this module's constants only.
+Torch and safetensors are imported inside the functions that write: finding the cached
+directory costs no import.
 """
 
 from __future__ import annotations

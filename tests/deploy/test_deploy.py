@@ -31,7 +31,7 @@ from qil_client.__main__ import _parser as client_parser
 from qil_worker.service.cli import add_serve_parser
 from qil_worker.service.front.health import SERVICE_NAME
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKERFILES = (DEPLOY / "Dockerfile", DEPLOY / "model.Dockerfile")
 KUBERNETES = DEPLOY / "kubernetes"

@@ -15,17 +15,11 @@ from qil_worker.service.front import wire_scan as W
 from qil_worker.service.front.decoding import Undecodable, lenient
 from qil_worker.service.front.outsized_submit import OutsizedSubmit, TextSize, stream_events_request, submit_request
 from qil_worker.text.tokenizer import min_tokens, min_tokens_of_sizes
+from raw_grpc import varint
 
 BIG = OUTSIZED_CHARS + 7
 
 
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def tag(number: int, wire_type: int) -> bytes:

@@ -27,9 +27,9 @@ from qil_client import pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from service_fixtures import reference_outputs, serve_process, stop_server_process
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "/qil.v1.Inference/"
-VOCAB = 97  # tests/checkpoints.py TINY_CONFIG
+VOCAB = 97  # tests/helpers/checkpoints.py TINY_CONFIG
 MAX_POSITIONS = 512
 MAX_ID = 128
 ENGINE_FLAGS = ["--num-pages", "512", "--page-size", "16", "--token-budget", "256",

@@ -17,7 +17,7 @@ import pytest
 from service_fixtures import serve_process
 from qil_client import Client, QilError, Unavailable
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _start(env: dict, *args: str) -> tuple[subprocess.Popen, str, list[str]]:

@@ -315,7 +315,7 @@ def test_fast_paths_give_the_general_paths_events(model, monkeypatch, cuda_graph
 
 def test_the_host_step_benchmark_prints_every_phase_before_and_after():
     """``scripts/bench_host_step.py`` end to end at tiny sizes, A/B against this very commit."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     proc = subprocess.run(
         [sys.executable, str(root / "scripts" / "bench_host_step.py"), "--before", "HEAD", "--rounds", "1",
          "--rows", "3", "--steps", "2", "--warmup", "1", "--variants", "plain", "--paths", "eager", "padded"],

@@ -20,7 +20,8 @@ import pytest
 from checkpoints import make_text_checkpoint
 from qil_client import Client, pb
 from service_fixtures import serve_process, stop_server_process, wait_until
-from test_hostile_prompts import raw_call, rss
+from raw_grpc import raw_call
+from service_fixtures import rss
 
 MAX_POSITIONS = 512  # the text checkpoint's
 FAST_S = 1.0  # a refusal of a count takes well under this

@@ -119,7 +119,7 @@ def serve_process(*args: str, env: dict | None = None) -> tuple[subprocess.Popen
     proc = subprocess.Popen(
         [sys.executable, "-m", "qil_worker", "serve", "--port", "0", "--threads", "1", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     out: list[str] = []
     err: list[str] = []
@@ -177,3 +177,8 @@ def openai_client(srv: ServerThread, api_key: str = "unused", **kw: Any):
     import openai
 
     return openai.OpenAI(base_url=http_base_url(srv), api_key=api_key, max_retries=0, **kw)
+
+def rss(pid: int) -> int:
+    """The resident memory of process ``pid`` in bytes."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

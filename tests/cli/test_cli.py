@@ -17,7 +17,7 @@ from qil_worker.text import load_tokenizer
 from qil_worker.text.output import TextOutput
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, check=True):
@@ -342,7 +342,7 @@ def test_serve_help_shows_the_defaults(capsys):
 def test_generate_without_a_model_uses_the_demo_model_as_serve_does(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("QIL_CACHE_DIR", str(tmp_path))
     out = json.loads(gen(capsys, "--token-ids", "[1,2,3]", "--max-new-tokens", "3", "--json"))
-    from qil_worker.service.demo_model import demo_dir
+    from qil_worker.model.demo import demo_dir
 
     (want,) = Engine(Qwen3.from_directory(demo_dir()), num_pages=16, page_size=8).generate([[1, 2, 3]], 3)
     assert out["output_token_ids"] == want.output_token_ids

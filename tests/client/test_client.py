@@ -16,7 +16,7 @@ import pytest
 from qil_client import AsyncClient, Client, DeadlineExceeded, NotFound, Unavailable
 from service_fixtures import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LONG = 6000  # tokens: as many steps in a row, so a tiny model still runs when the session is left
 
 

@@ -29,8 +29,8 @@ import grpc
 import pytest
 
 from qil_client import Client, pb
-from service_fixtures import serve_process, stop_server_process, wait_until
-from test_wire_scan import varint
+from service_fixtures import rss, serve_process, stop_server_process, wait_until
+from raw_grpc import raw_call, varint
 
 # the stream's summed delay beyond twice its median gap, per prompt (see the module docstring)
 EXCESS_PER_PROMPT_S = 0.5
@@ -51,9 +51,6 @@ for _ in range(int(sys.argv[2])):
 """
 
 
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_huge_prompts_are_refused_fast_without_keeping_memory_or_stalling_streams():
@@ -126,7 +123,6 @@ def test_huge_prompts_are_refused_fast_without_keeping_memory_or_stalling_stream
 
 BIG_TEXT = "word " * (10 * 2**20 // 5)
 IGNORED_GROUP = b"\x83\x7d\x84\x7d"  # an empty group, field 2000: unknown, skipped by the parser
-SERVICE = "/qil.v1.Inference/"
 
 
 @pytest.fixture(scope="module")
@@ -138,32 +134,6 @@ def demo():
     stop_server_process(proc)
 
 
-def raw_call(channel: grpc.Channel, method: str, data: bytes) -> tuple[grpc.StatusCode, str, list]:
-    """(status, details, responses) of one call of ``method`` with the request bytes ``data``."""
-    if method == "Submit":
-        call = channel.unary_unary(SERVICE + method, request_serializer=bytes, response_deserializer=pb.SubmitResponse.FromString)
-        try:
-            return grpc.StatusCode.OK, "", [call(data, timeout=60)]
-        except grpc.RpcError as err:
-            return err.code(), err.details(), []
-    if method == "Generate":
-        call = channel.unary_stream(SERVICE + method, request_serializer=bytes, response_deserializer=pb.Event.FromString)
-        events: list = []
-        try:
-            events.extend(call(data, timeout=60))
-            return grpc.StatusCode.OK, "", events
-        except grpc.RpcError as err:
-            return err.code(), err.details(), events
-    # StreamEvents: the submit frame, then half-close; its answers are in-band
-    call = channel.stream_stream(SERVICE + method, request_serializer=bytes,
-                                 response_deserializer=pb.StreamEventsResponse.FromString)
-    frame = b"\x0a" + varint(len(data)) + data
-    answers: list = []
-    try:
-        answers.extend(call(iter([frame]), timeout=60))
-        return grpc.StatusCode.OK, "", answers
-    except grpc.RpcError as err:
-        return err.code(), err.details(), answers
 
 
 def outcome(answer: tuple[grpc.StatusCode, str, list]) -> tuple:

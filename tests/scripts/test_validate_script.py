@@ -17,7 +17,7 @@ import torch
 
 from checkpoints import make_checkpoint
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "validate.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "validate.py"
 CASES = ("prefill", "decode", "chunked", "generate")
 spec = importlib.util.spec_from_file_location("validate", SCRIPT)
 validate = importlib.util.module_from_spec(spec)

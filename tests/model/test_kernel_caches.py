@@ -19,7 +19,7 @@ import torch
 from qil_worker import cpu_memory
 from qil_worker.model.linear import packing_supported
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # In a fresh process: the start-up settings (as the worker, CLI and benchmarks make them), the
 # model from a checkpoint (packed for oneDNN), then the LM head for 599 different row counts;

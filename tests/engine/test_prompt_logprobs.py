@@ -17,7 +17,7 @@ from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.engine.scheduler import ScheduledChunk, Scheduler
 from qil_worker.kv import PagePool, PageTable, PrefixCache
 
-ATOL = 1e-4  # as tests/test_model_logits.py
+ATOL = 1e-4  # as tests/model/test_model_logits.py
 PROMPT = [(5 * i + 3) % 97 for i in range(30)]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from checkpoints import make_tokenizer
 from qil_worker.errors import CapacityError
-from qil_worker.service.demo_model import ensure_demo_model
+from qil_worker.model.demo import ensure_demo_model
 from qil_worker.engine.spec import RequestSpec
 from qil_worker.service.worker.prompt_encoder import encode_within
 from qil_worker.text import load_tokenizer

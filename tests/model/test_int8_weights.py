@@ -353,7 +353,7 @@ def test_the_flag_offers_the_worker_choices():
 def _script(name: str, *args: str) -> subprocess.CompletedProcess:
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / name
+    script = Path(__file__).resolve().parents[2] / "scripts" / name
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
 
 
