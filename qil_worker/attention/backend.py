@@ -1,6 +1,6 @@
 """The one interface every attention backend implements.
 
-A backend turns a step's scheduled chunks (``StepLayout``, made by ``engine.batch``) — or, for a
+A backend turns a step's scheduled chunks (``StepLayout``, made by ``engine.runner.batch``) — or, for a
 captured decode graph, its static buffers — into ``StepAttention``: the step's metadata, shared
 by all layers, which attends one layer's queries. The model only writes its keys at
 ``slot_mapping`` and calls ``attend``; the batch builder and the decode graphs only call the two

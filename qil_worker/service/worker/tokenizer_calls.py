@@ -1,6 +1,6 @@
 """The worker's answers to the tokenizer calls (``Tokenize`` / ``Detokenize`` RPCs).
 
-They run where the tokenizer lives (see ``worker._load_tokenizer``): short ones in the step loop,
+They run where the tokenizer lives (see ``startup._load_tokenizer``): short ones in the step loop,
 long ones on the prompt-encoding thread (``prompt_encoder``). Each answer is total: a failure is
 its ``rejection``, classified as a submit's (``errors.classify_engine_error``), so a Tokenize
 and a Submit of the same prompt fail with the same status and field.
