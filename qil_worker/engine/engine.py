@@ -20,11 +20,12 @@ from qil_worker.engine import prompt_logprobs
 from qil_worker.engine.config import EngineConfig
 from qil_worker.engine.in_flight import InFlightStep, stays_in_flight
 from qil_worker.engine.runner.model_runner import ModelRunner
+from qil_worker.engine.runner.pooling import PooledAnswers
 from qil_worker.engine.outputs import Event, FinishReason, RequestMetrics, Result
 from qil_worker.engine.request import Request, members, unforked
 from qil_worker.engine.sampling_params import SamplingParams
 from qil_worker.engine.scheduler import ScheduledChunk, Scheduler
-from qil_worker.engine.spec import DEFAULT_MAX_NEW_TOKENS, RequestSpec
+from qil_worker.engine.spec import DEFAULT_MAX_NEW_TOKENS, Pooling, RequestSpec
 from qil_worker.engine.validation import validate_submit
 from qil_worker.kv import PagePool, PageTable, PrefixCache, page_hashes
 from qil_worker.errors import (
@@ -39,7 +40,7 @@ from qil_worker.model import Qwen3
 from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.text.output import TextOutput
-from qil_worker.text.prompt import encode_prompt
+from qil_worker.text.prompt import encode_document, encode_prompt
 
 if TYPE_CHECKING:
     from qil_worker.structured.compiler import GrammarCompiler
@@ -195,8 +196,14 @@ class Engine:
         self._check_open()
         prompt_spec = spec.prompt
         token_ids = prompt_spec.token_ids
+        pooling = spec.pooling
+        if pooling is not None:
+            pooling.check_model(self.model.config.hidden_size, self.model.config.vocab_size)
         if prompt_spec.is_text:
-            token_ids = encode_prompt(self.tokenizer, prompt_spec.text, prompt_spec.messages, prompt_spec.enable_thinking)
+            if pooling is not None and prompt_spec.text is not None:  # a document, as its tokenizer encodes one
+                token_ids = encode_document(self.tokenizer, prompt_spec.text)
+            else:
+                token_ids = encode_prompt(self.tokenizer, prompt_spec.text, prompt_spec.messages, prompt_spec.enable_thinking)
         text_options = spec.text
         if text_options.stop_strings and self.tokenizer is None:
             raise TokenizerUnavailableError(
@@ -229,7 +236,7 @@ class Engine:
             raise ValueError("the constraint was compiled for another model's vocabulary")
 
         def text_output() -> TextOutput | None:
-            if self.tokenizer is None:
+            if self.tokenizer is None or pooling is not None:  # a pooled request makes no text
                 return None
             return TextOutput(self.tokenizer, text_options.stop_strings, text_options.include_stop_string,
                               text_options.skip_special_tokens)
@@ -247,6 +254,7 @@ class Engine:
             text=text_output(),
             prompt_logprobs=scored_prompt,
             grammar=constraint.new_matcher() if constraint is not None else None,
+            pooling=pooling,
         )
         if sampling.n > 1:
 
@@ -368,8 +376,9 @@ class Engine:
         self.scheduler.commit(launched.computed)
         for row, group in forks:  # before any token is accepted: a sample that ends holds the pages
             samples.fork(requests[row], group, self.scheduler, self.pool, self.runner.kv)
-        stays = self.overlap and stays_in_flight(requests, forks)
-        return InFlightStep(chunks, requests, launched.sample, stays)
+        # pooled requests end when their answers are read: before the next schedule
+        stays = self.overlap and stays_in_flight(requests, forks) and launched.pooled is None
+        return InFlightStep(chunks, requests, launched.sample, stays, pooled=launched.pooled)
 
     def _land(self, step: InFlightStep, events: list[Event]) -> None:
         """Read a launched step's tokens and accept them into ``events``; a request that ended
@@ -395,6 +404,18 @@ class Engine:
             if request.prompt_logprobs is not None:
                 event = request.prompt_logprobs.attach(event)
             append(event if request.group is None else samples.tagged(event, request))
+        if step.pooled is not None:
+            self._answer(step.pooled, now, events)
+
+    def _answer(self, pooled: PooledAnswers, now: float, events: list[Event]) -> None:
+        """Pooled requests whose prompt the step ended: each gets its answer and ends (STOP)."""
+        for request, answer in zip(pooled.requests, pooled.read()):
+            if request.finished:  # cancelled since the launch
+                continue
+            request.pooled = answer
+            request.metrics.record_token(now)  # the answer is its "first token": TTFT means time to it
+            self._finish(request, FinishReason.STOP)
+            events.append(self._final_event(request, handed_out_now=True))
 
     def _fail_step(self, requests: list[Request], exc: Exception, events: list[Event], defer: bool = False) -> None:
         """A step failed as a whole: fail its unfinished ``requests`` (per-request isolation) —
@@ -580,6 +601,44 @@ class Engine:
         except Exception:
             self._withdraw(ids)
             raise
+        results = self._run_to_end(ids)
+        n = sampling_fields.get("n", 1)
+        if n == 1:
+            return [results[i][0] for i in ids]
+        return [[results[i][s] for s in range(n)] for i in ids]
+
+    def embed(
+        self, inputs: Sequence[Sequence[int] | str], dimensions: int | None = None, normalize: bool = True
+    ) -> list[list[float]]:
+        """The embeddings of a batch of inputs (token-id lists, or texts encoded with the
+        tokenizer's own special tokens), in order: see ``spec.Pooling``. All or nothing, as
+        ``generate``; a failed request raises ``RuntimeError`` with its error."""
+        pooling = Pooling("embed", dimensions=dimensions, normalize=normalize)
+        return [r.embedding for r in self._pool(inputs, pooling)]
+
+    def score(self, inputs: Sequence[Sequence[int] | str], yes_token_id: int, no_token_id: int) -> list[float]:
+        """P(yes) of a yes/no judge at the end of each input (a reranker's prompt), in order."""
+        pooling = Pooling("score", yes_token_id=yes_token_id, no_token_id=no_token_id)
+        return [r.score for r in self._pool(inputs, pooling)]
+
+    def _pool(self, inputs: Sequence[Sequence[int] | str], pooling: Pooling) -> list[Result]:
+        ids: list[str] = []
+        try:
+            for item in inputs:
+                text, token_ids = (item, None) if isinstance(item, str) else (None, item)
+                ids.append(self.submit(RequestSpec.pooled(pooling, token_ids, text)))
+        except Exception:
+            self._withdraw(ids)
+            raise
+        by_id = self._run_to_end(ids)
+        results = [by_id[i][0] for i in ids]
+        failed = next((r for r in results if r.finish_reason is not FinishReason.STOP), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed.request_id} {failed.finish_reason.label}: {failed.error}")
+        return results
+
+    def _run_to_end(self, ids: list[str]) -> dict[str, dict[int, Result]]:
+        """Step until every request of ``ids`` ended; their results by sample index (released)."""
         wanted = set(ids)
         results: dict[str, dict[int, Result]] = {i: {} for i in ids}
         done: set[str] = set()
@@ -591,10 +650,7 @@ class Engine:
                         done.add(event.request_id)
         for i in ids:
             self.release(i)
-        n = sampling_fields.get("n", 1)
-        if n == 1:
-            return [results[i][0] for i in ids]
-        return [[results[i][s] for s in range(n)] for i in ids]
+        return results
 
     def _withdraw(self, request_ids: list[str]) -> None:
         """Forget requests that were submitted but not yet stepped, as if never submitted."""

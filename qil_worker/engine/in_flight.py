@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from qil_worker.engine.request import Request
+from qil_worker.engine.runner.pooling import PooledAnswers
 from qil_worker.engine.sampler import DeviceSample
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import to_device
@@ -47,6 +48,7 @@ class InFlightStep:
     # whether the next step may be scheduled before this one is read (module docstring)
     stays_in_flight: bool
     marked: bool = False  # kept in flight past its ``step()`` call (``mark``)
+    pooled: PooledAnswers | None = None  # the answers of pooled prompts that end in the step
 
     def mark(self) -> None:
         """Give every still-running sampled request its row here: its token is in flight."""

@@ -165,6 +165,9 @@ class Result:
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     sample_index: int = 0  # which sample of an n-request this is
+    # a pooled request's answer (``spec.Pooling``): its embedding, or its score
+    embedding: list[float] | None = None
+    score: float | None = None
 
     @classmethod
     def of(
@@ -181,6 +184,8 @@ class Result:
         prompt_logprobs: list[float] | None = None,
         prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
         sample_index: int = 0,
+        embedding: list[float] | None = None,
+        score: float | None = None,
     ) -> "Result":
         def since_arrival(t: float | None) -> float | None:
             return None if t is None else t - m.arrival_time
@@ -207,4 +212,6 @@ class Result:
             prompt_logprobs=prompt_logprobs,
             prompt_top_logprobs=prompt_top_logprobs,
             sample_index=sample_index,
+            embedding=embedding,
+            score=score,
         )

@@ -14,6 +14,7 @@ from qil_worker.kv.page_table import PageTable
 from qil_worker.text.output import TextOutput
 
 if TYPE_CHECKING:
+    from qil_worker.engine.spec import Pooling
     from qil_worker.structured.matcher import ConstraintMatcher
 
 
@@ -79,6 +80,9 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None  # collected while the prompt is computed, if asked
     sample_index: int = 0  # which of the request's samples this is (``engine.samples``)
     group: "SampleGroup | None" = None  # the request's samples when it has several
+    # a prefill-only request (embedding, score): no token is sampled; its answer is ``pooled``
+    pooling: "Pooling | None" = None
+    pooled: list[float] | float | None = None
     # Overlapped steps (``engine.in_flight``): the row of this request's token in the step still
     # on the device, whose value the host does not know yet (-1: none). That token counts in
     # ``num_tokens`` (the scheduler gives it its decode row) but is not in ``output_token_ids``.
@@ -155,7 +159,13 @@ class Request:
             stop_reason=self.stop_reason,
             **self._prompt_logprobs(),
             sample_index=self.sample_index,
+            **self._pooled(),
         )
+
+    def _pooled(self) -> dict[str, object]:
+        if self.pooled is None:
+            return {}
+        return {"score": self.pooled} if isinstance(self.pooled, float) else {"embedding": self.pooled}
 
     def _prompt_logprobs(self) -> dict[str, object]:
         scored = self.prompt_logprobs

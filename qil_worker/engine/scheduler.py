@@ -46,7 +46,12 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the request's last known token, so a new one is sampled."""
-        return self.end == self.request.num_tokens
+        return self.end == self.request.num_tokens and self.request.pooling is None
+
+    @property
+    def pools(self) -> bool:
+        """Whether this chunk ends a pooled request's prompt: its answer is read off it."""
+        return self.request.pooling is not None and self.end == self.request.num_tokens
 
 
 class Scheduler:

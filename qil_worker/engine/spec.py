@@ -89,11 +89,60 @@ class TextOptions:
                 raise InvalidRequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
 
 
+POOLING_KINDS = ("embed", "score")
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """A prefill-only request: nothing is generated; the answer is read off the final (normed)
+    hidden state of the prompt's last token. ``embed``: that state, its first ``dimensions``
+    components (all when None: Matryoshka truncation), L2-normalised unless ``normalize`` is
+    False. ``score``: P(yes) of a yes/no judge (a reranker) — the softmax of the logits of
+    ``yes_token_id`` against ``no_token_id`` there."""
+
+    kind: str
+    dimensions: int | None = None
+    normalize: bool = True
+    yes_token_id: int | None = None
+    no_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in POOLING_KINDS:
+            raise InvalidRequestError("pooling", f"expected one of {POOLING_KINDS}, got {self.kind!r}")
+        d = self.dimensions
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d <= 0):
+            raise InvalidRequestError("dimensions", f"must be a positive integer, got {d!r}")
+        if not isinstance(self.normalize, bool):
+            raise InvalidRequestError("normalize", f"must be a boolean, got {self.normalize!r}")
+        pair = (self.yes_token_id, self.no_token_id)
+        if self.kind == "score":
+            for name, token in zip(("yes_token_id", "no_token_id"), pair):
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise InvalidRequestError(name, f"a score needs the token id of its answer, got {token!r}")
+            if d is not None:
+                raise InvalidRequestError("dimensions", "applies to embeddings, not to scores")
+        elif pair != (None, None):
+            raise InvalidRequestError("yes_token_id", "applies to scores, not to embeddings")
+
+    def check_model(self, hidden_size: int, vocab_size: int) -> None:
+        """What needs the model: ``dimensions`` within the hidden size, answer ids in the vocabulary."""
+        if self.dimensions is not None and self.dimensions > hidden_size:
+            raise InvalidRequestError(
+                "dimensions", f"{self.dimensions} exceeds the model's hidden size {hidden_size}"
+            )
+        for name in ("yes_token_id", "no_token_id"):
+            token = getattr(self, name)
+            if token is not None and token >= vocab_size:
+                raise InvalidRequestError(name, f"token id {token} is outside [0, {vocab_size})")
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One request: its prompt, how long it may run, how each token is chosen (``sampling``:
     also ``n`` samples and log-probabilities), how its text is made, what its output must match
-    (``constraint``), and its id (None: the engine names it). Validated when made."""
+    (``constraint``), and its id (None: the engine names it). Validated when made. With
+    ``pooling`` the request generates nothing (``Pooling``): its sampling and length options
+    must stay at their defaults."""
 
     prompt: Prompt
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -102,6 +151,7 @@ class RequestSpec:
     text: TextOptions = field(default_factory=TextOptions)
     constraint: ConstraintSpec | None = None
     request_id: str | None = None
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         rid = self.request_id
@@ -116,6 +166,23 @@ class RequestSpec:
             if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, type(None))):
                 raise InvalidRequestError(name, f"expected a sequence of token ids, got {type(ids).__name__}")
         self.sampling.validate(n)
+        if self.pooling is not None:
+            self._check_pooled()
+
+    def _check_pooled(self) -> None:
+        """A pooled request has no output for generation options to shape: refuse them by name."""
+        if not isinstance(self.pooling, Pooling):
+            raise InvalidRequestError("pooling", f"expected a Pooling, got {type(self.pooling).__name__}")
+        s = self.sampling
+        given = [
+            name for name, value in (
+                ("n", s.n != 1), ("logprobs", s.logprobs), ("top_logprobs", bool(s.top_logprobs)),
+                ("prompt_logprobs", s.prompt_logprobs is not None), ("stop_strings", bool(self.text.stop_strings)),
+                ("constraint", self.constraint is not None),
+            ) if value
+        ]
+        if given:
+            raise InvalidRequestError(given[0], f"does not apply to a {self.pooling.kind} request (nothing is generated)")
 
     @classmethod
     def of(
@@ -158,6 +225,15 @@ class RequestSpec:
     def with_prompt(self, prompt: Prompt) -> "RequestSpec":
         """The same request with another prompt (its text encoded, say): checked again."""
         return dataclasses.replace(self, prompt=prompt)
+
+    @classmethod
+    def pooled(
+        cls, pooling: Pooling, token_ids: Sequence[int] | None = None, text: str | None = None,
+        request_id: str | None = None,
+    ) -> "RequestSpec":
+        """An embedding or scoring request of one prompt (ids, or text encoded as the tokenizer
+        encodes a document: with its own special tokens)."""
+        return cls(prompt=Prompt(token_ids, text), max_new_tokens=1, request_id=request_id, pooling=pooling)
 
     def with_id(self, request_id: str) -> "RequestSpec":
         return dataclasses.replace(self, request_id=request_id)

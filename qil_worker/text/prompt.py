@@ -10,6 +10,7 @@ few pieces, not seconds and a tokenizer's worth of offsets and token strings for
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,43 @@ def encode_text(tokenizer: Any, text: str, max_tokens: int | None = None) -> lis
         if max_tokens is not None and len(ids) > max_tokens:
             raise PromptTooLong(len(ids), exact=end == len(text))
     return ids
+
+
+def encode_document(tokenizer: Any, text: str, max_tokens: int | None = None) -> list[int]:
+    """``text``'s ids with the special tokens the tokenizer's own post-processing puts around a
+    single sequence (an embedding model's tokenizer appends ``<|endoftext|>``, whose hidden
+    state is the pooled one; a chat model's adds none): what ``tokenizer(text)`` gives, for
+    text of any length."""
+    if tokenizer is None:
+        raise TokenizerUnavailableError("this server has no tokenizer: send token ids instead of text", field="text")
+    if not isinstance(text, str):
+        raise InvalidRequestError("text", "must be a string")
+    prefix, suffix = _document_specials(tokenizer)
+    room = None if max_tokens is None else max(max_tokens - len(prefix) - len(suffix), 0)
+    ids = prefix + (encode_text(tokenizer, text, room) if text else []) + suffix
+    return ids or [document_start(tokenizer)]  # an empty text with no specials: as an empty prompt
+
+
+_SPECIALS: "weakref.WeakKeyDictionary[Any, tuple[list[int], list[int]]]" = weakref.WeakKeyDictionary()
+
+
+def _document_specials(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the post-processor adds before and after one sequence, found once per tokenizer
+    by encoding a probe with and without them."""
+    try:
+        return _SPECIALS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    probe = "a"
+    plain = list(tokenizer.encode(probe, add_special_tokens=False))
+    full = list(tokenizer.encode(probe, add_special_tokens=True))
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+    specials = ([], []) if at is None else (full[:at], full[at + len(plain) :])
+    try:
+        _SPECIALS[tokenizer] = specials
+    except TypeError:  # not weakly referenceable: probed again next time
+        pass
+    return specials
 
 
 DOCUMENT_SEPARATOR = "<|endoftext|>"  # Qwen's (and GPT-2's) token between training documents

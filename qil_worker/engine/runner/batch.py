@@ -11,6 +11,8 @@ masks) are derived on the device from them.
 Logits are computed at ``logit_indices`` only: the sampled rows first (one per sampled chunk),
 then the prompt positions of requests that asked for prompt logprobs (``prompt_logprobs``), so
 one LM-head call covers both and a step without the latter computes exactly the sampled rows.
+A pooled request's last prompt token (an embedding, a score) is no logit row: its flat index
+is in ``pool_indices``, and the runner reads its answer off the hidden state there.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class StepInputs:
     sampled: list[ScheduledChunk]  # chunks whose request gets a new token, in row order
     chunks: list[ScheduledChunk]  # every chunk, in flat token order
     prompt_rows: list[PromptRows]  # the P rows after the sampled ones, in order
+    pooled: list[ScheduledChunk]  # chunks that end a pooled request's prompt, in row order
+    pool_indices: torch.Tensor | None  # [len(pooled)] their last tokens' flat indices (None: no such chunk)
 
 
 def build_step_inputs(
@@ -55,7 +59,7 @@ def build_step_inputs(
     decodes = [c for c in chunks if c.num_tokens == 1]
     groups_of_chunks = attention_groups(decodes) + attention_groups([c for c in chunks if c.num_tokens > 1])
     ordered = [c for group in groups_of_chunks for c in group]
-    if len(decodes) == len(ordered) and all(c.request.prompt_logprobs is None for c in ordered):
+    if len(decodes) == len(ordered) and all(c.request.prompt_logprobs is None and c.request.pooling is None for c in ordered):
         tokens = _one_token_each(ordered)
     else:
         tokens = flat_tokens(ordered)
@@ -75,6 +79,8 @@ def build_step_inputs(
         sampled=tokens.sampled,
         chunks=ordered,
         prompt_rows=tokens.prompt_rows,
+        pooled=tokens.pooled,
+        pool_indices=to_device(tokens.pool_indices, device, torch.long) if tokens.pooled else None,
     )
 
 
@@ -88,6 +94,8 @@ class StepTokens:
     logit_indices: list[int]  # the sampled tokens, then the scored prompt positions
     sampled: list[ScheduledChunk]
     prompt_rows: list[PromptRows]
+    pooled: list[ScheduledChunk]
+    pool_indices: list[int]
     # flat indices whose input is a token still in flight, and that token's row in its step
     in_flight_indices: list[int]
     in_flight_sources: list[int]
@@ -104,6 +112,8 @@ def _one_token_each(ordered: list[ScheduledChunk]) -> StepTokens:
         logit_indices=sampled_rows,
         sampled=[ordered[row] for row in sampled_rows],
         prompt_rows=[],
+        pooled=[],
+        pool_indices=[],
         in_flight_indices=in_flight_indices,
         in_flight_sources=in_flight_sources,
     )
@@ -117,6 +127,8 @@ def flat_tokens(ordered: list[ScheduledChunk]) -> StepTokens:
     sampled: list[ScheduledChunk] = []
     prompt_indices: list[int] = []
     prompt_rows: list[PromptRows] = []
+    pooled: list[ScheduledChunk] = []
+    pool_indices: list[int] = []
     in_flight_indices: list[int] = []
     in_flight_sources: list[int] = []
     for chunk in ordered:
@@ -136,6 +148,9 @@ def flat_tokens(ordered: list[ScheduledChunk]) -> StepTokens:
         if chunk.samples:
             sample_indices.append(len(input_ids) - 1)
             sampled.append(chunk)
+        elif chunk.pools:
+            pool_indices.append(len(input_ids) - 1)
+            pooled.append(chunk)
     lengths = host_tensor([c.num_tokens for c in ordered], torch.long)
     return StepTokens(
         input_ids=input_ids,
@@ -144,6 +159,8 @@ def flat_tokens(ordered: list[ScheduledChunk]) -> StepTokens:
         logit_indices=sample_indices + prompt_indices,
         sampled=sampled,
         prompt_rows=prompt_rows,
+        pooled=pooled,
+        pool_indices=pool_indices,
         in_flight_indices=in_flight_indices,
         in_flight_sources=in_flight_sources,
     )

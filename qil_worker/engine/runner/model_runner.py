@@ -24,6 +24,7 @@ from qil_worker.engine.request import Request
 from qil_worker.engine.runner.batch import build_step_inputs
 from qil_worker.engine.runner.decode_graphs import DecodeGraphs
 from qil_worker.engine.runner.graph_capture import GraphCapture
+from qil_worker.engine.runner.pooling import PooledAnswers, pooled_answers
 from qil_worker.engine.runner.step_graphs import StepGraphs
 from qil_worker.engine.sampler import DeviceSample, Sampler
 from qil_worker.engine.scheduler import ScheduledChunk
@@ -49,12 +50,14 @@ def scratch_pages(model: Qwen3, cuda_graphs: bool | None = None, debug: bool = F
 class LaunchedStep:
     """What a step's launch queued on the device: its sampled tokens (``sample``, read later),
     the chunks whose KV it writes (``computed``: every chunk, in the path's order), the request
-    of each sampled row (forked samples' rows last) and the n-requests whose samples fork now."""
+    of each sampled row (forked samples' rows last), the n-requests whose samples fork now and
+    the answers of the pooled requests whose prompt ends in the step."""
 
     sample: DeviceSample
     computed: list[ScheduledChunk]
     requests: list[Request]
     forks: list
+    pooled: PooledAnswers | None = None
 
 
 class ModelRunner:
@@ -127,6 +130,7 @@ class ModelRunner:
         previous step's sampled tokens, on the device). Prompt log-probabilities asked for are
         scored here (their rows follow the sampled ones)."""
         vocab = self.model.config.vocab_size
+        pooled = None
         if self.decode_graphs is not None and self.decode_graphs.handles(chunks):
             computed = chunks
             requests = [c.request for c in chunks]
@@ -146,13 +150,20 @@ class ModelRunner:
             computed = inputs.chunks
             requests = [c.request for c in inputs.sampled]
             self.sampler.prepare(requests, vocab)
-            logits = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv, inputs.logit_indices)
+            if inputs.pool_indices is None:
+                logits = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv, inputs.logit_indices)
+            else:  # pooled prompts end here: their answers come from the hidden states, not logits
+                hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, inputs.attention, self.kv)
+                logits = self.model.logits(hidden.index_select(0, inputs.logit_indices))
+                pooled = pooled_answers(
+                    self.model, hidden.index_select(0, inputs.pool_indices), [c.request for c in inputs.pooled]
+                )
             if inputs.prompt_rows:  # the rows after the sampled ones score prompt tokens
                 prompt_logprobs.score(logits[len(requests):], inputs.prompt_rows)
                 logits = logits[: len(requests)]
         forks = samples.forking(requests)  # n-requests whose prompt is computed now
         logits, requests = samples.with_fork_rows(logits, requests, forks)
-        return LaunchedStep(self.sampler.sample_on_device(logits, requests), computed, requests, forks)
+        return LaunchedStep(self.sampler.sample_on_device(logits, requests), computed, requests, forks, pooled)
 
     def close(self) -> None:
         """Drop the graphs (they hold the KV tensors' addresses) and the KV tensors."""

@@ -117,7 +117,7 @@ class StepGraphs:
         return bucket
 
     def _bucket(self, chunks: list[ScheduledChunk]) -> Bucket | None:
-        if any(c.request.prompt_logprobs is not None for c in chunks):
+        if any(c.request.prompt_logprobs is not None or c.request.pooling is not None for c in chunks):
             return None
         if any(c.end > self.max_context or len(c.request.page_table.pages) > self.pages for c in chunks):
             return None
