@@ -26,10 +26,11 @@ from qil_client.errors import (
     Unavailable,
 )
 from qil_client.results import Metrics, Result, TokenizeResult, Usage
+from qil_client.retrieval import Embeddings, Ranked
 
 __all__ = [
-    "AlreadyExists", "AsyncClient", "AsyncSession", "Cancelled", "Client", "DeadlineExceeded",
-    "FailedPrecondition", "Internal", "InvalidArgument", "Metrics", "NotFound", "QilError",
+    "AlreadyExists", "AsyncClient", "AsyncSession", "Cancelled", "Client", "DeadlineExceeded", "Embeddings",
+    "FailedPrecondition", "Internal", "InvalidArgument", "Metrics", "NotFound", "QilError", "Ranked",
     "ResourceExhausted", "Result", "Session", "TLS", "TokenizeResult", "Unauthenticated", "Unavailable",
     "Usage", "pb",
 ]

@@ -12,6 +12,7 @@ from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_client.errors import QilError, error_for, from_rpc_error
 from qil_client.ready import ReadyWait
+from qil_client.retrieval import Embeddings, Ranked, embed_request, ranked, rerank_request
 from qil_client.results import (
     Result,
     ResultBuilder,
@@ -118,6 +119,21 @@ class AsyncClient:
         """See ``qil_client.Client.detokenize``."""
         req = detokenize_request(token_ids, skip_special_tokens)
         return (await self._unary(self._stub.Detokenize, req, timeout)).text
+
+    async def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]], dimensions: int | None = None,
+              normalize: bool | None = None, timeout: float | None = None) -> Embeddings:
+        """Embeddings of texts (encoded with the tokenizer's own special tokens) or token-id
+        lists: each the final hidden state of its last token, L2-normalised unless
+        ``normalize=False``, its first ``dimensions`` components when given."""
+        req = embed_request(inputs, dimensions, normalize)
+        return Embeddings.from_proto(await self._unary(self._stub.Embed, req, timeout))
+
+    async def rerank(self, query: str, documents: Sequence[str], instruction: str | None = None,
+               top_n: int | None = None, timeout: float | None = None) -> list[Ranked]:
+        """``documents`` ordered by relevance to ``query`` (Qwen3-Reranker's judgement), best
+        first, the best ``top_n`` only when given."""
+        req = rerank_request(query, documents, instruction, top_n)
+        return ranked(await self._unary(self._stub.Rerank, req, timeout))
 
     async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -291,16 +291,16 @@ def submit_request(
     if text is not None and not text:
         raise ValueError("text: the prompt is empty")
     req = pb.SubmitRequest()
-    with _naming("request_id"):
+    with naming("request_id"):
         req.request_id = request_id or ""
-    with _naming("token_ids"):
+    with naming("token_ids"):
         req.token_ids.extend(token_ids or ())
-    with _naming("stop_token_ids"):
+    with naming("stop_token_ids"):
         req.stop_token_ids.extend(stop_token_ids or ())
-    with _naming("stop_strings"):
+    with naming("stop_strings"):
         req.stop_strings.extend(stop_strings or ())
     if text is not None:
-        with _naming("text"):
+        with naming("text"):
             req.text = text
     if messages is not None:
         chat = _messages(messages)
@@ -308,17 +308,17 @@ def submit_request(
             raise ValueError("messages: must hold at least one message")
         req.messages.extend(chat)
     if logit_bias:
-        with _naming("logit_bias"):
+        with naming("logit_bias"):
             if not isinstance(logit_bias, Mapping):
                 raise TypeError(f"must map token ids to biases, got a {type(logit_bias).__name__}")
             req.logit_bias.update(logit_bias)
     if max_new_tokens is not None:
-        with _naming("max_new_tokens"):
+        with naming("max_new_tokens"):
             req.max_new_tokens = max_new_tokens
     for name in OPTION_NAMES:
         value = arguments[name]
         if value is not None:
-            with _naming(name):
+            with naming(name):
                 setattr(req, name, value)
     for name, value in constraint.items():
         constraints.set_constraint(req, name, value)
@@ -334,12 +334,12 @@ def tokenize_request(
     (neither: the empty prompt, zero tokens)."""
     req = pb.TokenizeRequest()
     if text is not None:
-        with _naming("text"):
+        with naming("text"):
             req.text = text
     if messages is not None:
         req.messages.extend(_messages(messages))
     if enable_thinking is not None:
-        with _naming("enable_thinking"):
+        with naming("enable_thinking"):
             req.enable_thinking = enable_thinking
     return req
 
@@ -349,16 +349,16 @@ def detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool | Non
     if isinstance(token_ids, (str, bytes)):
         raise TypeError("token_ids must be a sequence of integers")
     req = pb.DetokenizeRequest()
-    with _naming("token_ids"):
+    with naming("token_ids"):
         req.token_ids.extend(token_ids)
     if skip_special_tokens is not None:
-        with _naming("skip_special_tokens"):
+        with naming("skip_special_tokens"):
             req.skip_special_tokens = skip_special_tokens
     return req
 
 
 @contextmanager
-def _naming(field_name: str) -> Iterator[None]:
+def naming(field_name: str) -> Iterator[None]:
     """Re-raise protobuf's TypeError / ValueError (``Value out of range: -1``) with the field's
     name in front, as the server's errors have it."""
     try:

@@ -33,6 +33,8 @@ MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024  # one choice
 # Requests of one HTTP call (prompts x n): each is a request in the engine.
 MAX_CALL_CHOICES = 256
+# Inputs of one embedding or rerank call: each is a prefill-only request in the engine.
+MAX_POOLED_INPUTS = 2048
 # Nesting of a JSON body or schema: far beyond any real schema, far below Python's recursion
 # limit (which a deeper document would hit in json's encoder and decoder).
 MAX_JSON_DEPTH = 128

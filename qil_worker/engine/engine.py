@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import secrets
 import logging
@@ -40,7 +41,8 @@ from qil_worker.model import Qwen3
 from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.text.output import TextOutput
-from qil_worker.text.prompt import encode_document, encode_prompt
+from qil_worker.text.prompt import encode_prompt
+from qil_worker.text.rerank_prompt import answer_token_ids
 
 if TYPE_CHECKING:
     from qil_worker.structured.compiler import GrammarCompiler
@@ -198,12 +200,15 @@ class Engine:
         token_ids = prompt_spec.token_ids
         pooling = spec.pooling
         if pooling is not None:
+            if pooling.kind == "score" and pooling.yes_token_id is None:  # the tokenizer's yes and no
+                yes, no = answer_token_ids(self.tokenizer)
+                pooling = dataclasses.replace(pooling, yes_token_id=yes, no_token_id=no)
             pooling.check_model(self.model.config.hidden_size, self.model.config.vocab_size)
         if prompt_spec.is_text:
-            if pooling is not None and prompt_spec.text is not None:  # a document, as its tokenizer encodes one
-                token_ids = encode_document(self.tokenizer, prompt_spec.text)
-            else:
-                token_ids = encode_prompt(self.tokenizer, prompt_spec.text, prompt_spec.messages, prompt_spec.enable_thinking)
+            token_ids = encode_prompt(
+                self.tokenizer, prompt_spec.text, prompt_spec.messages, prompt_spec.enable_thinking,
+                document=spec.embeds,
+            )
         text_options = spec.text
         if text_options.stop_strings and self.tokenizer is None:
             raise TokenizerUnavailableError(
@@ -616,8 +621,12 @@ class Engine:
         pooling = Pooling("embed", dimensions=dimensions, normalize=normalize)
         return [r.embedding for r in self._pool(inputs, pooling)]
 
-    def score(self, inputs: Sequence[Sequence[int] | str], yes_token_id: int, no_token_id: int) -> list[float]:
-        """P(yes) of a yes/no judge at the end of each input (a reranker's prompt), in order."""
+    def score(
+        self, inputs: Sequence[Sequence[int] | str], yes_token_id: int | None = None, no_token_id: int | None = None
+    ) -> list[float]:
+        """P(yes) of a yes/no judge at the end of each input (a reranker's prompt, e.g.
+        ``text.rerank_prompt``), in order; the answers' ids default to the tokenizer's "yes"
+        and "no"."""
         pooling = Pooling("score", yes_token_id=yes_token_id, no_token_id=no_token_id)
         return [r.score for r in self._pool(inputs, pooling)]
 

@@ -98,7 +98,8 @@ class Pooling:
     hidden state of the prompt's last token. ``embed``: that state, its first ``dimensions``
     components (all when None: Matryoshka truncation), L2-normalised unless ``normalize`` is
     False. ``score``: P(yes) of a yes/no judge (a reranker) — the softmax of the logits of
-    ``yes_token_id`` against ``no_token_id`` there."""
+    ``yes_token_id`` against ``no_token_id`` there (both None: the tokenizer's tokens "yes"
+    and "no", as Qwen3-Reranker reads them)."""
 
     kind: str
     dimensions: int | None = None
@@ -117,8 +118,8 @@ class Pooling:
         pair = (self.yes_token_id, self.no_token_id)
         if self.kind == "score":
             for name, token in zip(("yes_token_id", "no_token_id"), pair):
-                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-                    raise InvalidRequestError(name, f"a score needs the token id of its answer, got {token!r}")
+                if pair != (None, None) and (not isinstance(token, int) or isinstance(token, bool) or token < 0):
+                    raise InvalidRequestError(name, f"give both answers' token ids or neither, got {token!r}")
             if d is not None:
                 raise InvalidRequestError("dimensions", "applies to embeddings, not to scores")
         elif pair != (None, None):
@@ -234,6 +235,11 @@ class RequestSpec:
         """An embedding or scoring request of one prompt (ids, or text encoded as the tokenizer
         encodes a document: with its own special tokens)."""
         return cls(prompt=Prompt(token_ids, text), max_new_tokens=1, request_id=request_id, pooling=pooling)
+
+    @property
+    def embeds(self) -> bool:
+        """Whether it asks for an embedding (its text is then encoded as a document)."""
+        return self.pooling is not None and self.pooling.kind == "embed"
 
     def with_id(self, request_id: str) -> "RequestSpec":
         return dataclasses.replace(self, request_id=request_id)

@@ -246,6 +246,7 @@ class FinalRecord:
     num_cached_tokens: int
     stop_reason: int | str | None  # on STOP: the token id or the stop string that ended it
     metrics: RequestTimings | None
+    pooled: list[float] | float | None = None  # a pooled request's answer: an embedding or a score
 
 
 @message
@@ -302,7 +303,8 @@ class StepBatch:
                 a.rejection.kind.value, a.rejection.field, a.rejection.message)) for a in self.acks],
             self.request_ids, self.token_ids, self.texts, self.logprobs, self.top_logprobs,
             {rid: (f.reason.number, f.error, f.num_prompt_tokens, f.num_output_tokens,
-                   f.num_cached_tokens, f.stop_reason, None if f.metrics is None else _METRICS(f.metrics))
+                   f.num_cached_tokens, f.stop_reason, None if f.metrics is None else _METRICS(f.metrics),
+                   f.pooled)
              for rid, f in self.finals.items()},
             _STATS(self.stats),
             None if self.timing is None else (self.timing.seconds, self.timing.batch_size),
@@ -323,7 +325,7 @@ def _step_batch(acks: list, ids: list, tokens: list, texts: list, logprobs: list
     return StepBatch(
         [Ack(rid, n, None if r is None else Rejection(RejectKind(r[0]), r[1], r[2])) for rid, n, r in acks],
         ids, tokens, texts, logprobs, tops,
-        {rid: FinalRecord(FinishReason.of_number(f[0]), *f[1:6], None if f[6] is None else RequestTimings(*f[6]))
+        {rid: FinalRecord(FinishReason.of_number(f[0]), *f[1:6], None if f[6] is None else RequestTimings(*f[6]), f[7])
          for rid, f in finals.items()},
         PoolStats(*stats),
         None if timing is None else StepTiming(*timing),

@@ -149,10 +149,6 @@ def encode_document(tokenizer: Any, text: str, max_tokens: int | None = None) ->
     single sequence (an embedding model's tokenizer appends ``<|endoftext|>``, whose hidden
     state is the pooled one; a chat model's adds none): what ``tokenizer(text)`` gives, for
     text of any length."""
-    if tokenizer is None:
-        raise TokenizerUnavailableError("this server has no tokenizer: send token ids instead of text", field="text")
-    if not isinstance(text, str):
-        raise InvalidRequestError("text", "must be a string")
     prefix, suffix = _document_specials(tokenizer)
     room = None if max_tokens is None else max(max_tokens - len(prefix) - len(suffix), 0)
     ids = prefix + (encode_text(tokenizer, text, room) if text else []) + suffix
@@ -209,8 +205,10 @@ def encode_prompt(
     messages: Sequence[dict[str, str]] | None = None,
     enable_thinking: bool | None = None,
     max_tokens: int | None = None,
+    document: bool = False,
 ) -> list[int]:
-    """Exactly one of ``text`` (encoded as is) or ``messages`` (rendered with the chat template).
+    """Exactly one of ``text`` (encoded as is; with ``document``, as ``encode_document``: an
+    embedding's input) or ``messages`` (rendered with the chat template).
 
     ``enable_thinking`` is Qwen3's switch for its reasoning block; None leaves the template's
     default. ``max_tokens``: raise ``PromptTooLong`` for a longer prompt (see ``encode_text``).
@@ -225,6 +223,8 @@ def encode_prompt(
     if text is not None:
         if not isinstance(text, str):
             raise InvalidRequestError("text", "must be a string")
+        if document:
+            return encode_document(tokenizer, text, max_tokens)
         if not text:
             return [document_start(tokenizer)]
         return encode_text(tokenizer, text, max_tokens)

@@ -11,7 +11,10 @@ import grpc
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client._proto.qil.v1 import inference_pb2_grpc as pb_grpc
 from qil_worker.service.front import limits
+from qil_worker.engine.spec import Pooling, Prompt
+from qil_worker.errors import InvalidRequestError
 from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH
+from qil_worker.text.rerank_prompt import rerank_prompt
 from qil_worker.service.front.decoding import Undecodable
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted, unavailable
 from qil_worker.service.front.front import Front
@@ -19,6 +22,7 @@ from qil_worker.service.protocol import WorkerInfo
 from qil_worker.service.front.request_log import FrontRequest
 from qil_worker.service.front.outsized_submit import OutsizedSubmit, stream_events_request, submit_request
 from qil_worker.service.front.submit_spec import refuse_unfit, submit_to
+from qil_worker.service.front.pooled_calls import PooledInput, pooled_specs, run_pooled
 from qil_worker.service.front.session import StreamSession
 from qil_worker.service.front.streams import (
     Subscription,
@@ -139,6 +143,47 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await err.abort(context)
         return await _within_message_limit(pb.DetokenizeResponse(text=text), context)
 
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        await _reject_undecodable(request, context)
+        try:
+            inputs, field = _embed_inputs(request)
+            pooling = _pooling(lambda: Pooling(
+                "embed", dimensions=request.dimensions if request.HasField("dimensions") else None,
+                normalize=request.normalize if request.HasField("normalize") else True,
+            ))
+            finals = await run_pooled(
+                self.front, inputs, pooled_specs(inputs, pooling, field), context.time_remaining()
+            )
+        except ServiceError as err:
+            await err.abort(context)
+        resp = pb.EmbedResponse(
+            embeddings=[pb.Embedding(values=f.pooled, num_prompt_tokens=f.num_prompt_tokens,
+                                     num_cached_tokens=f.num_cached_tokens) for f in finals],
+            num_prompt_tokens=sum(f.num_prompt_tokens for f in finals),
+        )
+        return await _within_message_limit(resp, context)
+
+    async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
+        await _reject_undecodable(request, context)
+        instruction = request.instruction if request.HasField("instruction") else None
+        inputs = [
+            PooledInput(f"documents[{i}]", Prompt(text=rerank_prompt(request.query, doc, instruction)))
+            for i, doc in enumerate(request.documents)
+        ]
+        try:
+            finals = await run_pooled(
+                self.front, inputs, pooled_specs(inputs, Pooling("score"), "documents"), context.time_remaining()
+            )
+        except ServiceError as err:
+            await err.abort(context)
+        order = sorted(range(len(finals)), key=lambda i: -finals[i].pooled)
+        if request.top_n:
+            order = order[: request.top_n]
+        return pb.RerankResponse(
+            results=[pb.RerankResult(index=i, relevance_score=finals[i].pooled) for i in order],
+            num_prompt_tokens=sum(f.num_prompt_tokens for f in finals),
+        )
+
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         await _reject_undecodable(request, context)
         front = self.front
@@ -185,6 +230,28 @@ def _tokenize_args(request: pb.TokenizeRequest) -> tuple[str | None, list[dict[s
     messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
     thinking = request.enable_thinking if request.HasField("enable_thinking") else None
     return request.text or None, messages, thinking
+
+
+def _embed_inputs(request: pb.EmbedRequest) -> tuple[list[PooledInput], str]:
+    """The call's inputs (exactly one of texts or inputs) and the field they came in."""
+    if request.texts and request.inputs:
+        raise invalid("inputs", "give texts or inputs, not both")
+    if request.texts:
+        return [PooledInput(f"texts[{i}]", Prompt(text=t)) for i, t in enumerate(request.texts)], "texts"
+    inputs = []
+    for i, item in enumerate(request.inputs):
+        if not item.token_ids:
+            raise invalid(f"inputs[{i}]", "the input is empty")
+        inputs.append(PooledInput(f"inputs[{i}]", Prompt(token_ids=list(item.token_ids))))
+    return inputs, "inputs"
+
+
+def _pooling(make) -> Pooling:
+    """``make()``, its ``InvalidRequestError`` as INVALID_ARGUMENT naming the field."""
+    try:
+        return make()
+    except InvalidRequestError as exc:
+        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
 
 
 def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:

@@ -113,6 +113,7 @@ def final_record(result: Any) -> P.FinalRecord:
             e2e_s=result.completion_time,
             num_preemptions=int(result.num_preemptions),
         ),
+        pooled=result.embedding if result.embedding is not None else result.score,
     )
 
 

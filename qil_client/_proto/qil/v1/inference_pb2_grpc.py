@@ -70,6 +70,16 @@ class InferenceStub:
                 request_serializer=qil_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=qil_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/qil.v1.Inference/Embed',
+                request_serializer=qil_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=qil_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/qil.v1.Inference/Rerank',
+                request_serializer=qil_dot_v1_dot_inference__pb2.RerankRequest.SerializeToString,
+                response_deserializer=qil_dot_v1_dot_inference__pb2.RerankResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -133,6 +143,24 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of a batch of inputs: the final (normed) hidden state of each input's last token,
+        L2-normalised (Qwen3-Embedding's pooling). Each input is a prefill-only request in the same
+        scheduler as generation (prefix cache on, no KV kept after); the call ends when all have.
+        Cancelling the call or passing its deadline cancels the inputs not done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rerank(self, request, context):
+        """Relevance of documents to a query, as Qwen3-Reranker judges it: P("yes") at the end of its
+        prompt template (a system instruction, the query, the document, an empty think block).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +198,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=qil_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
                     response_serializer=qil_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=qil_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=qil_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=qil_dot_v1_dot_inference__pb2.RerankRequest.FromString,
+                    response_serializer=qil_dot_v1_dot_inference__pb2.RerankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +399,60 @@ class Inference:
             '/qil.v1.Inference/Detokenize',
             qil_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
             qil_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qil.v1.Inference/Embed',
+            qil_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            qil_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qil.v1.Inference/Rerank',
+            qil_dot_v1_dot_inference__pb2.RerankRequest.SerializeToString,
+            qil_dot_v1_dot_inference__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,
