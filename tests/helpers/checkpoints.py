@@ -250,3 +250,20 @@ def make_fp8_moe_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Path
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def make_judge_checkpoint(path: Path, seed: int = 3) -> Path:
+    """A random checkpoint for embeddings and scores: its tokenizer appends <|endoftext|> to a
+    sequence (as Qwen3-Embedding's does) and has the single tokens "yes" and "no" (as a Qwen3
+    tokenizer has, which Qwen3-Reranker's scores read)."""
+    from tokenizers import processors
+
+    tok = make_tokenizer(path)
+    tok.add_tokens(["yes", "no"])
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eos)]
+    )
+    tok.save_pretrained(path)
+    make_checkpoint(path, seed=seed, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    return Path(path)

@@ -178,6 +178,7 @@ def openai_client(srv: ServerThread, api_key: str = "unused", **kw: Any):
 
     return openai.OpenAI(base_url=http_base_url(srv), api_key=api_key, max_retries=0, **kw)
 
+
 def rss(pid: int) -> int:
     """The resident memory of process ``pid`` in bytes."""
     with open(f"/proc/{pid}/statm") as f:

@@ -1,8 +1,7 @@
 """Embed and Rerank over gRPC: a real server (its worker spawned) answers as the in-process
 engine and as transformers do, refuses bad calls naming the field, and leaves every page free.
 
-The model's tokenizer appends <|endoftext|> to a sequence (as Qwen3-Embedding's does) and has
-the single tokens "yes" and "no" (as a Qwen3 tokenizer has), so both calls run on one model.
+One model serves both calls (``make_judge_checkpoint``).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoints import load_reference, make_checkpoint, make_tokenizer
+from checkpoints import load_reference, make_judge_checkpoint
 from qil_client import AsyncClient, Client, FailedPrecondition, InvalidArgument
 from qil_worker.text.rerank_prompt import rerank_prompt
 from service_fixtures import start_server, wait_until
@@ -23,18 +22,7 @@ ENGINE = dict(num_pages=64, page_size=8, token_budget=128, prefill_chunk=32, max
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory):
-    from tokenizers import processors
-
-    path = tmp_path_factory.mktemp("judge")
-    tok = make_tokenizer(path)
-    tok.add_tokens(["yes", "no"])
-    eos = tok.convert_tokens_to_ids("<|endoftext|>")
-    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eos)]
-    )
-    tok.save_pretrained(path)
-    make_checkpoint(path, seed=3, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
-    return path
+    return make_judge_checkpoint(tmp_path_factory.mktemp("judge"))
 
 
 @pytest.fixture(scope="module")

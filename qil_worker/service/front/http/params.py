@@ -140,14 +140,15 @@ def token_ids_of(value: Any) -> list[int] | None:
     return None
 
 
-def completion_prompts(body: dict) -> list[Prompt]:
-    """``prompt``: a string, a list of strings, a list of token ids, or a list of such lists."""
-    value = body.get("prompt")
+def completion_prompts(body: dict, field: str = "prompt") -> list[Prompt]:
+    """``prompt`` (or ``field``: embeddings' ``input``): a string, a list of strings, a list of
+    token ids, or a list of such lists."""
+    value = body.get(field)
     shape = "a string, a list of strings, a list of token ids or a list of lists of token ids"
     if isinstance(value, str):
         return [Prompt(text=value)]
     if not isinstance(value, list) or not value:
-        raise invalid("prompt", f"must be {shape} (non-empty)")
+        raise invalid(field, f"must be {shape} (non-empty)")
     ids = token_ids_of(value)
     if ids is not None:
         return [Prompt(token_ids=ids)]
@@ -156,7 +157,7 @@ def completion_prompts(body: dict) -> list[Prompt]:
     lists = [token_ids_of(p) for p in value]
     if all(ids is not None and ids for ids in lists):
         return [Prompt(token_ids=ids) for ids in lists]
-    raise invalid("prompt", f"must be {shape}")
+    raise invalid(field, f"must be {shape}")
 
 
 def chat_messages(body: dict) -> list[dict[str, str]]:

@@ -14,7 +14,7 @@ from qil_worker.service.front.auth import bearer_token_matches
 from qil_worker.service.errors import HttpError, ServiceError, internal, unauthenticated, unknown_model
 from qil_worker.service.front.http.call import error_response, handle
 from qil_worker.service.front.http.chat import Chat
-from qil_worker.service.front.http import tokens
+from qil_worker.service.front.http import retrieval, tokens
 from qil_worker.service.front.http.completions import Completions
 from qil_worker.service.front.http.connections import Connections, GuardedSite, limit_accept_log
 from qil_worker.service.front.http.context import HttpContext
@@ -60,6 +60,9 @@ def make_app(ctx: HttpContext) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{name:.+}", model)
     app.router.add_get("/health", health)
+    app.router.add_post("/v1/embeddings", functools.partial(retrieval.embeddings, ctx))
+    app.router.add_post("/v1/rerank", functools.partial(retrieval.rerank, ctx))
+    app.router.add_post("/rerank", functools.partial(retrieval.rerank, ctx))  # vLLM serves both
     # vLLM's tokenizer routes, at the root as vLLM serves them
     app.router.add_post("/tokenize", functools.partial(tokens.tokenize, ctx))
     app.router.add_post("/detokenize", functools.partial(tokens.detokenize, ctx))

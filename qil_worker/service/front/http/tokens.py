@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from qil_worker.service.front.http.context import HttpContext
 
 
-def _check_model(ctx: "HttpContext", body: dict) -> None:
+def check_model(ctx: "HttpContext", body: dict) -> None:
     model = body.get("model")
     if model is not None and model != ctx.model_name:
         raise unknown_model(str(model), ctx.model_name)
@@ -34,7 +34,7 @@ async def tokenize(ctx: "HttpContext", request: web.Request) -> web.Response:
     ``{"count", "max_model_len", "tokens", "token_strs"}``; ``add_special_tokens`` is accepted
     and changes nothing (a Qwen3 tokenizer adds none to a text)."""
     body = await read_body(request)
-    _check_model(ctx, body)
+    check_model(ctx, body)
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise invalid("prompt", "give prompt (a string) or messages, not both and not neither")
@@ -66,7 +66,7 @@ async def tokenize(ctx: "HttpContext", request: web.Request) -> web.Response:
 async def detokenize(ctx: "HttpContext", request: web.Request) -> web.Response:
     """``{"tokens": [ids]}`` → ``{"prompt": text}`` (special tokens kept: the exact text)."""
     body = await read_body(request)
-    _check_model(ctx, body)
+    check_model(ctx, body)
     ids = token_ids_of(body.get("tokens"))
     if ids is None:
         raise invalid("tokens", "must be an array of token ids")

@@ -1,0 +1,111 @@
+"""``POST /v1/embeddings`` as the OpenAI API defines it, and ``POST /v1/rerank`` in the shape
+vLLM, Jina and Cohere use: both over the front's pooled calls (``front.pooled_calls``), as the
+gRPC Embed and Rerank are."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from qil_worker.engine.spec import Pooling, Prompt
+from qil_worker.errors import InvalidRequestError
+from qil_worker.service.errors import invalid
+from qil_worker.service.front.http.body import read_body
+from qil_worker.service.front.http.params import completion_prompts
+from qil_worker.service.front.http.shapes import new_id
+from qil_worker.service.front.http.sse import dumps
+from qil_worker.service.front.http.tokens import check_model
+from qil_worker.service.front.pooled_calls import PooledInput, pooled_specs, run_pooled
+from qil_worker.text.rerank_prompt import rerank_prompt
+
+if TYPE_CHECKING:
+    from qil_worker.service.front.http.context import HttpContext
+
+ENCODINGS = ("float", "base64")
+
+
+async def embeddings(ctx: "HttpContext", request: web.Request) -> web.Response:
+    """``input``: a string, strings, token ids or lists of them; ``dimensions``;
+    ``encoding_format`` float (default) or base64 (little-endian float32, as OpenAI's SDK
+    decodes it); ``user`` accepted and unused."""
+    body = await read_body(request)
+    check_model(ctx, body)
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ENCODINGS:
+        raise invalid("encoding_format", f"expected one of {list(ENCODINGS)}, got {encoding!r}")
+    dimensions = body.get("dimensions")
+    try:
+        pooling = Pooling("embed", dimensions=dimensions)
+    except InvalidRequestError as exc:
+        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+    prompts = completion_prompts(body, "input")
+    inputs = [PooledInput(f"input[{i}]", Prompt(token_ids=p.token_ids, text=p.text)) for i, p in enumerate(prompts)]
+    finals = await run_pooled(ctx.front, inputs, pooled_specs(inputs, pooling, "input"), None)
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(f.pooled, encoding)}
+        for i, f in enumerate(finals)
+    ]
+    tokens = sum(f.num_prompt_tokens for f in finals)
+    return web.json_response({
+        "object": "list", "data": data, "model": ctx.model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }, dumps=dumps)
+
+
+async def rerank(ctx: "HttpContext", request: web.Request) -> web.Response:
+    """``query``, ``documents`` (strings, or objects with a ``text``), ``top_n``,
+    ``return_documents`` (default true), ``instruction`` (Qwen3-Reranker's task; optional) →
+    ``results`` best first, each with its ``index`` and ``relevance_score``."""
+    body = await read_body(request)
+    check_model(ctx, body)
+    query, documents = body.get("query"), body.get("documents")
+    if not isinstance(query, str):
+        raise invalid("query", "must be a string")
+    if not isinstance(documents, list):
+        raise invalid("documents", "must be an array of strings")
+    texts = [_document_text(d, i) for i, d in enumerate(documents)]
+    top_n = body.get("top_n")
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0):
+        raise invalid("top_n", f"must be a non-negative integer, got {top_n!r}")
+    instruction = body.get("instruction")
+    if instruction is not None and not isinstance(instruction, str):
+        raise invalid("instruction", "must be a string")
+    return_documents = body.get("return_documents", True)
+    if not isinstance(return_documents, bool):
+        raise invalid("return_documents", "must be a boolean")
+    inputs = [
+        PooledInput(f"documents[{i}]", Prompt(text=rerank_prompt(query, t, instruction)))
+        for i, t in enumerate(texts)
+    ]
+    finals = await run_pooled(ctx.front, inputs, pooled_specs(inputs, Pooling("score"), "documents"), None)
+    order = sorted(range(len(finals)), key=lambda i: -finals[i].pooled)
+    if top_n:
+        order = order[:top_n]
+    results: list[dict[str, Any]] = []
+    for i in order:
+        entry: dict[str, Any] = {"index": i, "relevance_score": finals[i].pooled}
+        if return_documents:
+            entry["document"] = {"text": texts[i]}
+        results.append(entry)
+    tokens = sum(f.num_prompt_tokens for f in finals)
+    return web.json_response({
+        "id": new_id("rerank"), "model": ctx.model_name, "results": results,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }, dumps=dumps)
+
+
+def _document_text(document: Any, index: int) -> str:
+    if isinstance(document, str):
+        return document
+    if isinstance(document, dict) and isinstance(document.get("text"), str):
+        return document["text"]
+    raise invalid(f"documents[{index}]", "must be a string or an object with a string 'text'")
+
+
+def _encoded(vector: list[float], encoding: str) -> list[float] | str:
+    if encoding == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
