@@ -126,9 +126,12 @@ def _why_unquantized(weight: str, quantized: dict[str, tuple[int, ...]]) -> str:
     return f"{weight} is not one of the decoder's linear weights, which alone are FP8"
 
 
-def read_scales(found: dict[str, TensorHeader], quantized: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def read_scales(
+    found: dict[str, TensorHeader], quantized: dict[str, tuple[int, ...]], stored: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
     """Every quantized weight's scale grid as float32, read before the weights: it is tiny, and a
-    sharded checkpoint may keep a weight and its scale in different files."""
+    sharded checkpoint may keep a weight and its scale in different files. ``stored``: a name's
+    own in the file, where it differs (``loader.with_model_prefix``)."""
     from safetensors import safe_open
 
     by_file: dict[Path, list[str]] = {}
@@ -138,7 +141,7 @@ def read_scales(found: dict[str, TensorHeader], quantized: dict[str, tuple[int, 
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for name in names:
-                scales[name] = f.get_tensor(name).to(torch.float32)
+                scales[name] = f.get_tensor((stored or {}).get(name, name)).to(torch.float32)
     return scales
 
 

@@ -89,6 +89,19 @@ def read_headers(files: list[Path]) -> dict[str, TensorHeader]:
     return found
 
 
+MODEL_PREFIX = "model."
+
+
+def with_model_prefix(found: dict[str, TensorHeader]) -> tuple[dict[str, TensorHeader], dict[str, str]]:
+    """A base ``Qwen3Model``'s checkpoint (no tensor name starts with ``model.``, as
+    Qwen3-Embedding's are saved) read as a causal LM's: → (the headers under ``model.``-prefixed
+    names, each such name's stored name). Another layout is returned as it is."""
+    if not found or any(name.startswith(MODEL_PREFIX) or name == TIED_HEAD for name in found):
+        return found, {}
+    stored = {name: MODEL_PREFIX + name for name in found}
+    return {stored[name]: header for name, header in found.items()}, stored
+
+
 def check_weights(
     targets: dict[str, torch.Tensor], found: dict[str, TensorHeader], tied: bool,
     fp8_problems: Sequence[str] = (),
@@ -108,13 +121,6 @@ def check_weights(
             problems.append(f"unknown: {name} (shape {found[name][1]})")
     problems.extend(fp8_problems)
     if problems:
-        unknown = [name for name in found if name not in targets]
-        if unknown and all(f"model.{name}" in targets for name in unknown):
-            raise WeightError(
-                "checkpoint tensor names lack the 'model.' prefix (a base Qwen3Model's layout, e.g. "
-                f"{sorted(unknown)[0]!r} for 'model.{sorted(unknown)[0]}'); qil loads "
-                "Qwen3ForCausalLM checkpoints"
-            )
         raise WeightError(
             f"checkpoint does not match the config ({len(problems)} problem(s)):\n  "
             + "\n  ".join(problems)
@@ -133,28 +139,29 @@ def load_weights(
     are dequantized all the same: no FP8 kernel runs them."""
     targets = model.weight_targets()
     files = shard_files(directory)
-    found = read_headers(files)
+    found, stored = with_model_prefix(read_headers(files))
     quantization = model.config.quantization
     quantized = fp8.quantized_weights(targets, quantization)
     block = quantization.block_size if quantization is not None else (0, 0)
     check_weights(targets, found, tied=model.config.tie_word_embeddings,
                   fp8_problems=fp8.check_layout(quantized, found, block))
-    scales = fp8.read_scales(found, quantized)
+    scales = fp8.read_scales(found, quantized, {prefixed: name for name, prefixed in stored.items()})
     with torch.no_grad():
         for i, path in enumerate(files, 1):
             log.info("loading weights: shard %d/%d (%s)", i, len(files), path.name)
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+                for stored_name in f.keys():
+                    name = stored.get(stored_name, stored_name)
                     target = targets.get(name)
                     if target is None:  # a scale, or a tied checkpoint's own lm_head copy
                         continue
                     if name not in quantized:
-                        target.copy_(f.get_tensor(name))
+                        target.copy_(f.get_tensor(stored_name))
                     elif keep_fp8 is not None and not fp8.EXPERT_LINEAR.fullmatch(name):
                         scale = scales[fp8.scale_name(name)]
-                        keep_fp8[name] = (f.get_tensor(name).to(target.device), scale.to(target.device))
+                        keep_fp8[name] = (f.get_tensor(stored_name).to(target.device), scale.to(target.device))
                     else:
-                        fp8.dequantize_into(target, f.get_tensor(name), scales[fp8.scale_name(name)], block)
+                        fp8.dequantize_into(target, f.get_tensor(stored_name), scales[fp8.scale_name(name)], block)
     if model.config.tie_word_embeddings and TIED_HEAD in found:
         check_tied_copy(found)
 

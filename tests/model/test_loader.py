@@ -129,7 +129,7 @@ def test_single_file_wins_over_an_index_as_in_transformers(tiny_dir, tiny_untied
     assert torch.equal(model.lm_head, ref["lm_head.weight"])
 
 
-def test_bin_checkpoint_and_base_model_layout_are_explained(tiny_dir, tmp_path):
+def test_bin_checkpoint_is_explained(tiny_dir, tmp_path):
     bin_only = tmp_path / "bin_only"
     bin_only.mkdir()
     (bin_only / "config.json").write_text((tiny_dir / "config.json").read_text())
@@ -137,12 +137,33 @@ def test_bin_checkpoint_and_base_model_layout_are_explained(tiny_dir, tmp_path):
     with pytest.raises(WeightError, match="PyTorch .bin weights"):
         Qwen3.from_directory(bin_only)
 
-    def strip_prefix(t):
-        for name in list(t):
-            t[name.removeprefix("model.")] = t.pop(name)
 
-    with pytest.raises(WeightError, match="lack the 'model.' prefix"):
-        Qwen3.from_directory(_copy_checkpoint(tiny_dir, tmp_path / "base", strip_prefix))
+def _strip_prefix(t):
+    for name in list(t):
+        t[name.removeprefix("model.")] = t.pop(name)
+
+
+def test_a_base_model_layout_loads_as_the_causal_lm(tiny_dir, tmp_path):
+    """Qwen3-Embedding's files hold a base Qwen3Model (no ``model.`` prefix, no LM head): with a
+    tied config they are the same weights, and load as such."""
+    base = _copy_checkpoint(tiny_dir, tmp_path / "base", _strip_prefix)
+    assert not any(k.startswith("model.") for k in load_file(base / "model.safetensors"))
+    plain = Qwen3.from_directory(tiny_dir, dtype="float32", pack_weights=False)
+    model = Qwen3.from_directory(base, dtype="float32", pack_weights=False)
+    assert model.weight_targets().keys() == plain.weight_targets().keys()
+    for name, tensor in plain.weight_targets().items():
+        assert torch.equal(model.weight_targets()[name], tensor), name
+
+
+def test_a_base_model_layout_of_an_untied_config_names_the_missing_head(tmp_path):
+    untied = make_checkpoint(tmp_path / "untied", seed=1, tie_word_embeddings=False)
+
+    def headless(t):
+        t.pop("lm_head.weight")
+        _strip_prefix(t)
+
+    with pytest.raises(WeightError, match="missing: lm_head.weight"):
+        Qwen3.from_directory(_copy_checkpoint(untied, tmp_path / "base", headless))
 
 
 def test_auto_dtype_follows_the_stored_tensors_when_config_is_silent(tiny_dir, tmp_path):
