@@ -118,3 +118,17 @@ def test_throughput_runs_a_random_moe_shape_built_in_memory():
     assert float(row.split()[1]) > 0  # output tok/s
     refused = run_script("bench_throughput.py", "--quick", "--random-shape", "moe-quick")
     assert refused.returncode == 2 and "--random-shape builds no checkpoint" in refused.stderr
+
+
+def test_embedding_benchmark_prints_both_systems_and_agrees_with_transformers():
+    out = run_script("bench_embed.py", "--quick", "--rounds", "2", "--threads", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    rates = {}
+    for system in ("qil", "transformers"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {system} |"))
+        rates[system] = float(row.split("|")[2])
+        assert rates[system] > 0, row
+    assert "ratio qil / transformers (median of rounds):" in text
+    cosine = float(text.rsplit("smallest cosine between the systems' embeddings:", 1)[1].split()[0])
+    assert cosine > 0.999  # bf16 both sides: the same pooling of the same model
