@@ -158,6 +158,18 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false",
                    default=None, help="show special tokens in the text")
     d.add_argument("--json", action="store_true", help='print a JSON object {"text": ...}')
+    em = sub.add_parser("embed", help="print the embeddings of texts (one JSON list per line)",
+                        formatter_class=fmt)
+    em.add_argument("texts", nargs="+", help="the texts to embed")
+    em.add_argument("--dimensions", type=int, default=None, help="keep the first N components")
+    em.add_argument("--no-normalize", dest="normalize", action="store_false", default=None,
+                    help="the raw hidden state, not L2-normalised")
+    rr = sub.add_parser("rerank", help="print documents by relevance to a query, best first",
+                        formatter_class=fmt)
+    rr.add_argument("--query", required=True)
+    rr.add_argument("documents", nargs="+")
+    rr.add_argument("--instruction", default=None, help="the reranker's task (default: web search)")
+    rr.add_argument("--top-n", type=int, default=None)
     sub.add_parser("info", help="model, limits, page pool, worker", formatter_class=fmt)
     sub.add_parser("health", formatter_class=fmt,
                    help="print the grpc.health.v1 status; exit 0 only when SERVING",
@@ -274,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "detokenize":
             text = client.detokenize(args.token_ids, args.skip_special_tokens, timeout=args.timeout)
             print(json.dumps({"text": text}) if args.json else text)
+            return 0
+        if args.command == "embed":
+            for vector in client.embed(args.texts, args.dimensions, args.normalize, timeout=args.timeout).vectors:
+                print(json.dumps(vector))
+            return 0
+        if args.command == "rerank":
+            for r in client.rerank(args.query, args.documents, args.instruction, args.top_n, timeout=args.timeout):
+                print(f"{r.relevance_score:.6f}\t{r.index}\t{args.documents[r.index]}")
             return 0
         if args.command == "info":
             info = client.info(timeout=args.timeout)

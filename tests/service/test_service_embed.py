@@ -140,3 +140,31 @@ def test_rerank_without_yes_and_no_tokens_is_failed_precondition(tmp_path):
             wait_until(lambda: idle(client))
     finally:
         srv.stop()
+
+
+def test_the_cli_prints_embeddings_and_rankings(server):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def cli(*args: str) -> list[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "qil_client", "--target", server.target, *args], capture_output=True,
+            text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()
+
+    with Client(server.target, timeout=60) as client:
+        want = client.embed(["one cat", "two dogs"], dimensions=8).vectors
+        ranked = client.rerank("cats", ["a dog", "a cat", "a bird"])
+    lines = cli("embed", "one cat", "two dogs", "--dimensions", "8")
+    assert len(lines) == len(want)
+    for line, vector in zip(lines, want):
+        assert json.loads(line) == pytest.approx(vector, abs=1e-6)
+    rows = [line.split("\t") for line in cli("rerank", "--query", "cats", "a dog", "a cat", "a bird")]
+    assert [int(r[1]) for r in rows] == [r.index for r in ranked]
+    assert [r[2] for r in rows] == [["a dog", "a cat", "a bird"][r.index] for r in ranked]
