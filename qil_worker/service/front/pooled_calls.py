@@ -37,14 +37,19 @@ class PooledInput:
     prompt: Prompt
 
 
-def pooled_specs(inputs: list[PooledInput], pooling: Pooling, field: str) -> list[RequestSpec]:
-    """The inputs' specs, checked: at least one, at most ``MAX_POOLED_INPUTS``."""
-    if not inputs:
+def check_inputs(field: str, count: int) -> None:
+    """At least one input, at most ``MAX_POOLED_INPUTS``: checked from the count alone, before
+    anything is built from the inputs."""
+    if not count:
         raise invalid(field, "give at least one input")
     try:
-        check_count(field, len(inputs), MAX_POOLED_INPUTS, "inputs")
+        check_count(field, count, MAX_POOLED_INPUTS, "inputs")
     except InvalidRequestError as exc:
         raise invalid(field, str(exc).removeprefix(f"{field}: ")) from None
+
+
+def pooled_specs(inputs: list[PooledInput], pooling: Pooling) -> list[RequestSpec]:
+    """The inputs' specs (their count checked already: ``check_inputs``)."""
     return [RequestSpec(prompt=i.prompt, max_new_tokens=1, pooling=pooling) for i in inputs]
 
 

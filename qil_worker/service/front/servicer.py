@@ -22,7 +22,7 @@ from qil_worker.service.protocol import WorkerInfo
 from qil_worker.service.front.request_log import FrontRequest
 from qil_worker.service.front.outsized_submit import OutsizedSubmit, stream_events_request, submit_request
 from qil_worker.service.front.submit_spec import refuse_unfit, submit_to
-from qil_worker.service.front.pooled_calls import PooledInput, pooled_specs, run_pooled
+from qil_worker.service.front.pooled_calls import PooledInput, check_inputs, pooled_specs, run_pooled
 from qil_worker.service.front.session import StreamSession
 from qil_worker.service.front.streams import (
     Subscription,
@@ -146,14 +146,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         await _reject_undecodable(request, context)
         try:
-            inputs, field = _embed_inputs(request)
+            inputs = _embed_inputs(request)
             pooling = _pooling(lambda: Pooling(
                 "embed", dimensions=request.dimensions if request.HasField("dimensions") else None,
                 normalize=request.normalize if request.HasField("normalize") else True,
             ))
-            finals = await run_pooled(
-                self.front, inputs, pooled_specs(inputs, pooling, field), context.time_remaining()
-            )
+            finals = await run_pooled(self.front, inputs, pooled_specs(inputs, pooling), context.time_remaining())
         except ServiceError as err:
             await err.abort(context)
         resp = pb.EmbedResponse(
@@ -166,13 +164,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
         await _reject_undecodable(request, context)
         instruction = request.instruction if request.HasField("instruction") else None
-        inputs = [
-            PooledInput(f"documents[{i}]", Prompt(text=rerank_prompt(request.query, doc, instruction)))
-            for i, doc in enumerate(request.documents)
-        ]
         try:
+            check_inputs("documents", len(request.documents))
+            inputs = [
+                PooledInput(f"documents[{i}]", Prompt(text=rerank_prompt(request.query, doc, instruction)))
+                for i, doc in enumerate(request.documents)
+            ]
             finals = await run_pooled(
-                self.front, inputs, pooled_specs(inputs, Pooling("score"), "documents"), context.time_remaining()
+                self.front, inputs, pooled_specs(inputs, Pooling("score")), context.time_remaining()
             )
         except ServiceError as err:
             await err.abort(context)
@@ -232,18 +231,20 @@ def _tokenize_args(request: pb.TokenizeRequest) -> tuple[str | None, list[dict[s
     return request.text or None, messages, thinking
 
 
-def _embed_inputs(request: pb.EmbedRequest) -> tuple[list[PooledInput], str]:
-    """The call's inputs (exactly one of texts or inputs) and the field they came in."""
+def _embed_inputs(request: pb.EmbedRequest) -> list[PooledInput]:
+    """The call's inputs: exactly one of texts or inputs, their count checked first."""
     if request.texts and request.inputs:
         raise invalid("inputs", "give texts or inputs, not both")
+    field = "texts" if request.texts else "inputs"
+    check_inputs(field, len(request.texts) or len(request.inputs))
     if request.texts:
-        return [PooledInput(f"texts[{i}]", Prompt(text=t)) for i, t in enumerate(request.texts)], "texts"
+        return [PooledInput(f"texts[{i}]", Prompt(text=t)) for i, t in enumerate(request.texts)]
     inputs = []
     for i, item in enumerate(request.inputs):
         if not item.token_ids:
             raise invalid(f"inputs[{i}]", "the input is empty")
         inputs.append(PooledInput(f"inputs[{i}]", Prompt(token_ids=list(item.token_ids))))
-    return inputs, "inputs"
+    return inputs
 
 
 def _pooling(make) -> Pooling:

@@ -18,7 +18,7 @@ from qil_worker.service.front.http.params import completion_prompts
 from qil_worker.service.front.http.shapes import new_id
 from qil_worker.service.front.http.sse import dumps
 from qil_worker.service.front.http.tokens import check_model
-from qil_worker.service.front.pooled_calls import PooledInput, pooled_specs, run_pooled
+from qil_worker.service.front.pooled_calls import PooledInput, check_inputs, pooled_specs, run_pooled
 from qil_worker.text.rerank_prompt import rerank_prompt
 
 if TYPE_CHECKING:
@@ -41,9 +41,12 @@ async def embeddings(ctx: "HttpContext", request: web.Request) -> web.Response:
         pooling = Pooling("embed", dimensions=dimensions)
     except InvalidRequestError as exc:
         raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+    value = body.get("input")
+    if isinstance(value, list) and value and not isinstance(value[0], int):  # several inputs
+        check_inputs("input", len(value))
     prompts = completion_prompts(body, "input")
     inputs = [PooledInput(f"input[{i}]", Prompt(token_ids=p.token_ids, text=p.text)) for i, p in enumerate(prompts)]
-    finals = await run_pooled(ctx.front, inputs, pooled_specs(inputs, pooling, "input"), None)
+    finals = await run_pooled(ctx.front, inputs, pooled_specs(inputs, pooling), None)
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(f.pooled, encoding)}
         for i, f in enumerate(finals)
@@ -66,6 +69,7 @@ async def rerank(ctx: "HttpContext", request: web.Request) -> web.Response:
         raise invalid("query", "must be a string")
     if not isinstance(documents, list):
         raise invalid("documents", "must be an array of strings")
+    check_inputs("documents", len(documents))
     texts = [_document_text(d, i) for i, d in enumerate(documents)]
     top_n = body.get("top_n")
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0):
@@ -80,7 +84,7 @@ async def rerank(ctx: "HttpContext", request: web.Request) -> web.Response:
         PooledInput(f"documents[{i}]", Prompt(text=rerank_prompt(query, t, instruction)))
         for i, t in enumerate(texts)
     ]
-    finals = await run_pooled(ctx.front, inputs, pooled_specs(inputs, Pooling("score"), "documents"), None)
+    finals = await run_pooled(ctx.front, inputs, pooled_specs(inputs, Pooling("score")), None)
     order = sorted(range(len(finals)), key=lambda i: -finals[i].pooled)
     if top_n:
         order = order[:top_n]
