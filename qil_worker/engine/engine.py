@@ -196,7 +196,8 @@ class Engine:
         prompt_spec = spec.prompt
         token_ids = prompt_spec.token_ids
         if prompt_spec.is_text:
-            token_ids = encode_prompt(self.tokenizer, prompt_spec.text, prompt_spec.messages, prompt_spec.enable_thinking)
+            token_ids = encode_prompt(self.tokenizer, prompt_spec.text, prompt_spec.messages, prompt_spec.enable_thinking,
+                                      tools=prompt_spec.tools)
         text_options = spec.text
         if text_options.stop_strings and self.tokenizer is None:
             raise TokenizerUnavailableError(

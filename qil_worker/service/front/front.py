@@ -361,7 +361,8 @@ class Front:
         return len(self._calls)
 
     async def tokenize(
-        self, text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None
+        self, text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The ids of a prompt as a submit of it would get them (both None: no tokens); a prompt
         of more tokens than the model has positions is refused, as a submit of it would be, and
@@ -370,7 +371,7 @@ class Front:
         try:
             max_tokens = self._tokenize_limit(text, messages)
             answer = await self._tokenizer_call(
-                lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking, max_tokens)
+                lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking, max_tokens, tools)
             )
         finally:
             if prompt_chars(text, messages) >= OUTSIZED_CHARS:
