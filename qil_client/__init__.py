@@ -26,10 +26,11 @@ from qil_client.errors import (
     Unavailable,
 )
 from qil_client.results import Metrics, Result, TokenizeResult, Usage
+from qil_client.tools import ToolCall
 
 __all__ = [
     "AlreadyExists", "AsyncClient", "AsyncSession", "Cancelled", "Client", "DeadlineExceeded",
     "FailedPrecondition", "Internal", "InvalidArgument", "Metrics", "NotFound", "QilError",
-    "ResourceExhausted", "Result", "Session", "TLS", "TokenizeResult", "Unauthenticated", "Unavailable",
+    "ResourceExhausted", "Result", "Session", "TLS", "TokenizeResult", "ToolCall", "Unauthenticated", "Unavailable",
     "Usage", "pb",
 ]

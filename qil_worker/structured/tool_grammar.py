@@ -53,6 +53,15 @@ def tool_constraint(request: ToolRequest, thinking: bool | None) -> str:
     }, ensure_ascii=False, separators=(",", ":"))
 
 
+def tool_options(request: ToolRequest, thinking: bool | None) -> dict[str, Any]:
+    """What a request with tools adds to ``RequestSpec.of``'s options: the tools for the chat
+    template and, unless ``tool_choice`` is none, the constraint of the calls."""
+    options: dict[str, Any] = {"tools": request.template_tools()}
+    if request.calls_parsed:
+        options["tool_calls"] = tool_constraint(request, thinking)
+    return options
+
+
 def tool_grammar(constraint: str, token_tags: Collection[str]) -> str:
     """llguidance's top-level grammar (JSON text) of a ``tool_constraint``: a Lark grammar of
     the answer whose calls are a JSON-schema subgrammar. ``token_tags``: those of ``TAGS`` the

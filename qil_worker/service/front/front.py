@@ -31,7 +31,7 @@ from qil_worker.service.errors import (
     resource_exhausted,
     unavailable,
 )
-from qil_worker.service.front.request_log import FrontRequest, Retention
+from qil_worker.service.front.request_log import FrontRequest, Retention, assistant_split
 from qil_worker.service.front.outsized_submit import PromptSize
 from qil_worker.service.front.requests_in_flight import RequestsInFlight
 from qil_worker.service.front.supervisor import RestartPolicy, WorkerSupervisor
@@ -291,6 +291,7 @@ class Front:
                     max_new_tokens, prompt.field,
                 )
             req, acked = self.requests.add(rid, len(prompt.token_ids or ()), spec.sampling.n)
+            req.assistant = assistant_split(spec)
             self.supervisor.send(P.Submit(spec.with_id(rid)))
             try:
                 ack = await acked

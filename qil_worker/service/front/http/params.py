@@ -14,9 +14,9 @@ from typing import Any
 from qil_worker.errors import InvalidRequestError
 from qil_worker.request_limits import MAX_CALL_CHOICES, MAX_LOGIT_BIAS, check_count, check_stop_strings
 from qil_worker.structured.spec import CONSTRAINT_KINDS, ConstraintSpec
-from qil_worker.structured.tool_grammar import tool_constraint
+from qil_worker.structured.tool_grammar import tool_options
 from qil_worker.structured.tools import ToolRequest, tool_request
-from qil_worker.service.front.http.tool_messages import tool_parts
+from qil_worker.text.tool_messages import tool_parts
 from qil_worker.service.errors import invalid
 
 # body parameter → (Engine.submit keyword, type) for those that pass straight through; the
@@ -367,14 +367,12 @@ def _tools(body: dict, params: CallParams, thinking: bool | None) -> None:
     if tools is None:
         return
     params.tools = tools
-    params.options["tools"] = tools.template_tools()
-    if not tools.calls_parsed:
-        return
+    options = tool_options(tools, thinking)
     given = next((k for k in CONSTRAINT_KINDS if k in params.options), None)
-    if given is not None:
+    if given is not None and "tool_calls" in options:
         raise invalid(param_of(given, chat=True) or given,
                       "cannot be combined with tools unless tool_choice is none")
-    params.options["tool_calls"] = tool_constraint(tools, thinking)
+    params.options.update(options)
 
 
 def thinking_of(body: dict) -> bool | None:
