@@ -267,3 +267,66 @@ def test_thinking_comes_back_as_reasoning_content_and_the_call_after_it(oai, tok
     assert "<think>" not in (choice.message.content or "") and "</think>" not in choice.message.reasoning_content
     valid_call(choice.message.tool_calls[0])
     assert 0 < out.usage.completion_tokens_details.reasoning_tokens < out.usage.completion_tokens
+
+
+# ---------------------------------------------------------------- interplay
+
+
+def stream_calls(stream) -> tuple[dict[int, dict[int, dict]], dict[int, str]]:
+    """{choice: {call index: {name, arguments}}} and {choice: finish reason} of a stream."""
+    calls: dict[int, dict[int, dict]] = {}
+    reasons: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not (choice.delta.content or "").strip(), "no call text leaks into content"
+            for d in choice.delta.tool_calls or []:
+                own = calls.setdefault(choice.index, {})
+                if d.id is not None:
+                    own[d.index] = {"name": d.function.name, "arguments": d.function.arguments or ""}
+                else:
+                    own[d.index]["arguments"] += d.function.arguments
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    return calls, reasons
+
+
+def test_streamed_samples_each_reassemble_to_valid_calls(oai):
+    calls, reasons = stream_calls(oai.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=2,
+        max_tokens=1500, seed=9, **SAMPLED, extra_body=NO_THINKING, stream=True))
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    for index in (0, 1):
+        [call] = calls[index].values()
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_a_stop_string_inside_a_block_claims_no_call(oai):
+    kw = dict(model="tiny", messages=ASK, tools=[ADD], tool_choice="required", max_tokens=1500, seed=3,
+              **SAMPLED, extra_body=NO_THINKING)
+    out = oai.chat.completions.create(**kw, stop=['"arguments"'])
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert "<tool_call>" not in (choice.message.content or "")
+    # a stop string the call never writes changes nothing
+    free = oai.chat.completions.create(**kw, stop=["never written"]).choices[0]
+    plain = oai.chat.completions.create(**kw).choices[0]
+    assert free.finish_reason == "tool_calls"
+    assert free.message.tool_calls[0].function.arguments == plain.message.tool_calls[0].function.arguments
+
+
+def test_a_stream_left_inside_a_call_cancels_its_request(oai, server):
+    from qil_client import Client
+    from service_fixtures import wait_until
+
+    stream = oai.chat.completions.create(model="tiny", messages=ASK, tools=[BOOK], tool_choice="required",
+                                         max_tokens=3000, seed=1, **SAMPLED, extra_body=NO_THINKING, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.tool_calls:
+            break  # the call has started: leave
+    stream.close()
+    with Client(server.target, timeout=30) as c:
+        wait_until(lambda: (lambda i: i.num_unfinished == 0 and i.pages.used == 0)(c.info()), timeout=30)
+    # and the server serves the next call as before
+    again = oai.chat.completions.create(model="tiny", messages=ASK, tools=[ADD], tool_choice="required",
+                                        max_tokens=1500, seed=1, **SAMPLED, extra_body=NO_THINKING)
+    valid_call(again.choices[0].message.tool_calls[0])
