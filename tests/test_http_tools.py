@@ -330,3 +330,18 @@ def test_a_stream_left_inside_a_call_cancels_its_request(oai, server):
     again = oai.chat.completions.create(model="tiny", messages=ASK, tools=[ADD], tool_choice="required",
                                         max_tokens=1500, seed=1, **SAMPLED, extra_body=NO_THINKING)
     valid_call(again.choices[0].message.tool_calls[0])
+
+
+def test_streamed_reasoning_comes_as_reasoning_deltas(oai, tokenizer):
+    think, close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    kw = dict(model="tiny", messages=ASK, tools=[ADD], tool_choice="required", max_tokens=1500, seed=4,
+              logit_bias={str(think): 30, str(close): 2}, **SAMPLED)
+    whole = oai.chat.completions.create(**kw).choices[0].message
+    reasoning, content = "", ""
+    for chunk in oai.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            reasoning += extra.get("reasoning_content") or ""
+            content += choice.delta.content or ""
+    assert reasoning and reasoning == whole.model_extra["reasoning_content"]
+    assert "<think>" not in content and "</think>" not in content and "<think>" not in reasoning
