@@ -35,15 +35,12 @@ class ToolSpec:
     description: str = ""
     parameters: str = EMPTY_PARAMETERS
     strict: bool = False
-    given: str = ""  # the tool as the request gave it (JSON text): what the template renders
+    given: str = "{}"  # the tool as the request gave it (JSON text): what the template renders
 
     def template_form(self) -> dict[str, Any]:
         """The tool as chat templates take it (transformers' ``apply_chat_template(tools=...)``):
         as the request gave it, so the prompt is what the caller's own rendering would be."""
-        if self.given:
-            return json.loads(self.given)
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": json.loads(self.parameters)}}
+        return json.loads(self.given)
 
 
 @dataclass(frozen=True)
