@@ -166,10 +166,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="the raw hidden state, not L2-normalised")
     rr = sub.add_parser("rerank", help="print documents by relevance to a query, best first",
                         formatter_class=fmt)
-    rr.add_argument("--query", required=True)
-    rr.add_argument("documents", nargs="+")
+    rr.add_argument("--query", required=True, help="what the documents are judged against")
+    rr.add_argument("documents", nargs="+", help="the documents to rank")
     rr.add_argument("--instruction", default=None, help="the reranker's task (default: web search)")
-    rr.add_argument("--top-n", type=int, default=None)
+    rr.add_argument("--top-n", type=int, default=None, help="print only the best N (default: all)")
     sub.add_parser("info", help="model, limits, page pool, worker", formatter_class=fmt)
     sub.add_parser("health", formatter_class=fmt,
                    help="print the grpc.health.v1 status; exit 0 only when SERVING",

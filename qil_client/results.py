@@ -10,6 +10,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 from qil_client import constraints
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client.options import NAMES as OPTION_NAMES
+from qil_client.tools import ToolCall, tool_use
 
 FINISH_REASONS = {
     pb.FINISH_REASON_UNSPECIFIED: None,
@@ -63,6 +64,11 @@ class Result:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     sample_index: int = 0
     samples: list["Result"] = field(default_factory=list)  # empty unless the request had n > 1
+    # A chat prompt's output split (None otherwise): the reasoning (<think>...</think>), the
+    # answer's content without it and without the tool calls, and the calls parsed.
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @property
     def usage(self) -> "Usage":
@@ -166,6 +172,9 @@ class _SampleParts:
             metrics=Metrics.from_proto(ev.metrics),
             stop_reason=stop_reason_of(ev),
             num_cached_tokens=ev.num_cached_tokens,
+            reasoning=ev.reasoning if ev.HasField("reasoning") else None,
+            content=ev.content if ev.HasField("content") else None,
+            tool_calls=[ToolCall.from_proto(c) for c in ev.tool_calls],
             **common,
         )
 
@@ -266,6 +275,9 @@ def submit_request(
     regex: str | None = None,
     grammar: str | None = None,
     choice: Sequence[str] | None = None,
+    tools: Iterable[Mapping[str, Any] | pb.Tool] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> pb.SubmitRequest:
     """The prompt is exactly one of ``token_ids``, ``text`` or chat ``messages`` (dicts with
     role and content, or (role, content) pairs); text and messages need a server with a
@@ -279,6 +291,10 @@ def submit_request(
     Structured output: at most one of ``json_schema`` (a JSON Schema as text, or a dict sent as
     compact JSON), ``json_object=True``, ``regex``, ``grammar`` (llguidance's Lark dialect) or
     ``choice`` (a list of strings: the output is exactly one); see ``qil_client.constraints``.
+
+    Tools (chat messages only): ``tools`` as the OpenAI API gives them, ``tool_choice``
+    ("auto", "required", "none" or a function's name) and ``parallel_tool_calls``; the calls
+    come back parsed (``Result.tool_calls``), each matching its function's parameters.
 
     Values the wire cannot carry raise here (TypeError, ValueError); values out of range are
     the server's to reject (InvalidArgument naming the field).
@@ -322,6 +338,9 @@ def submit_request(
                 setattr(req, name, value)
     for name, value in constraint.items():
         constraints.set_constraint(req, name, value)
+    if tools is not None or tool_choice is not None:
+        with naming("tools"):
+            req.tools.CopyFrom(tool_use(tools or (), tool_choice, parallel_tool_calls))
     return req
 
 

@@ -31,6 +31,13 @@ MAX_STOP_STRING_LENGTH = 256
 MAX_CONSTRAINT_CHARS = 100_000
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024  # one choice
+# Tools of one request (function definitions): each is rendered into the prompt and, when a
+# call is constrained, its parameters' schema into one grammar, whose text (all schemas
+# together) MAX_CONSTRAINT_CHARS bounds.
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 64  # OpenAI's: a-z, A-Z, 0-9, _ and -
+MAX_TOOL_DESCRIPTION_CHARS = 8192
+MAX_TOOL_GRAMMAR_CHARS = MAX_CONSTRAINT_CHARS + MAX_TOOLS * 512  # the schemas and the grammar around them
 # Requests of one HTTP call (prompts x n): each is a request in the engine.
 MAX_CALL_CHOICES = 256
 # Inputs of one embedding or rerank call: each is a prefill-only request in the engine.

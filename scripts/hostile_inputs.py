@@ -209,8 +209,14 @@ def main() -> None:
          lambda: http_case(base, "/v1/completions", raw({"prompt": "hi", "n": 10**9}))),
         ("HTTP", "temperature -1", "400 temperature",
          lambda: http_case(base, "/v1/completions", raw({"prompt": "hi", "temperature": -1}))),
-        ("HTTP", "tools", "400 tools",
-         lambda: http_case(base, "/v1/chat/completions", raw({"messages": chat, "tools": [{"type": "function"}]}))),
+        ("HTTP", "legacy functions", "400 functions",
+         lambda: http_case(base, "/v1/chat/completions", raw({"messages": chat, "functions": [{"name": "f"}]}))),
+        ("HTTP", "10k tools", "400 tools",
+         lambda: http_case(base, "/v1/chat/completions", raw({"messages": chat, "tools": [
+             {"type": "function", "function": {"name": f"f{i}"}} for i in range(10_000)]}))),
+        ("HTTP", "a tool schema 600 levels deep", "400 tools",
+         lambda: http_case(base, "/v1/chat/completions", raw({"messages": chat, "tools": [
+             {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": schema}}}]}))),
         ("HTTP", f"prompt of {positions + 1} ids, max_tokens 4", "400 prompt",
          lambda: http_case(base, "/v1/completions", raw({"prompt": [5] * (positions + 1), "max_tokens": 4}))),
         ("HTTP", "10k chat messages, max_tokens 4", "400 messages",

@@ -207,7 +207,7 @@ class Engine:
         if prompt_spec.is_text:
             token_ids = encode_prompt(
                 self.tokenizer, prompt_spec.text, prompt_spec.messages, prompt_spec.enable_thinking,
-                document=spec.embeds,
+                tools=prompt_spec.tools, document=spec.embeds,
             )
         text_options = spec.text
         if text_options.stop_strings and self.tokenizer is None:

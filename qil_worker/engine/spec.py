@@ -38,6 +38,9 @@ class Prompt:
     messages: Sequence[Mapping[str, str]] | None = None
     enable_thinking: bool | None = None
     encoded_from: str | None = None
+    # the tools the chat template renders into the prompt (messages only; the template's
+    # ``tools`` argument, as transformers' ``apply_chat_template`` takes them)
+    tools: Sequence[Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
@@ -45,6 +48,8 @@ class Prompt:
             raise InvalidRequestError("prompt", f"give token ids, text or messages, not {' and '.join(given)}")
         if not given:
             raise InvalidRequestError("token_ids", "the prompt is empty: give token_ids, text or messages")
+        if self.tools is not None and self.text is not None:
+            raise InvalidRequestError("tools", "need a chat prompt (messages)")
         if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
             raise InvalidRequestError("enable_thinking", f"must be a boolean, got {self.enable_thinking!r}")
 
@@ -66,6 +71,7 @@ class Prompt:
         it. (The one change a spec sees after it is made; the spec is not used again.)"""
         object.__setattr__(self, "text", None)
         object.__setattr__(self, "messages", None)
+        object.__setattr__(self, "tools", None)
 
     def encoded(self, token_ids: list[int]) -> "Prompt":
         """This text or chat prompt as the ids it was encoded to."""
@@ -205,6 +211,8 @@ class RequestSpec:
         regex: str | None = None,
         grammar: str | None = None,
         choice: Sequence[str] | None = None,
+        tool_calls: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         **sampling_fields: Any,
     ) -> "RequestSpec":
         """The spec of ``Engine.submit``'s keyword form (the option table's names; sampling as
@@ -214,12 +222,12 @@ class RequestSpec:
         elif sampling_fields:
             raise TypeError("pass either sampling= or sampling fields, not both")
         return cls(
-            prompt=Prompt(token_ids, text, messages, enable_thinking),
+            prompt=Prompt(token_ids, text, messages, enable_thinking, tools=tools),
             max_new_tokens=max_new_tokens,
             stop_token_ids=() if stop_token_ids is None else stop_token_ids,
             sampling=sampling,
             text=TextOptions(() if stop_strings is None else stop_strings, include_stop_string, skip_special_tokens),
-            constraint=ConstraintSpec.from_kwargs(json_schema, json_object, regex, grammar, choice),
+            constraint=ConstraintSpec.from_kwargs(json_schema, json_object, regex, grammar, choice, tool_calls),
             request_id=request_id,
         )
 

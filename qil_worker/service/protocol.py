@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import operator
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from qil_worker.engine.config import EngineConfig  # torch-free
 from qil_worker.engine.outputs import FinishReason  # torch-free: one FinishReason, engine to front
@@ -350,6 +351,7 @@ class Tokenize:
     messages: list[dict[str, str]] | None
     enable_thinking: bool | None
     max_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None  # as ``Prompt.tools``
 
 
 @message

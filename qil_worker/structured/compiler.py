@@ -9,12 +9,13 @@ from __future__ import annotations
 import collections
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from qil_worker.errors import FeatureUnavailableError, InvalidRequestError
 from qil_worker.structured.matcher import CompiledConstraint
-from qil_worker.structured.spec import ConstraintSpec
+from qil_worker.structured.spec import TOOL_CALLS, ConstraintSpec
+from qil_worker.structured.tool_grammar import TAGS, tool_grammar
 
 INSTALL_HINT = "pip install 'qil[structured]'"
 GBNF_HINT = "grammar takes llguidance's Lark dialect; GBNF converts with llguidance.gbnf_to_lark"
@@ -90,8 +91,9 @@ def load_llguidance() -> Any:
     return llguidance
 
 
-def grammar_text(llguidance: Any, spec: ConstraintSpec) -> str:
-    """The llguidance grammar of a spec; InvalidRequestError when the text is not one."""
+def grammar_text(llguidance: Any, spec: ConstraintSpec, token_tags: Collection[str] = ()) -> str:
+    """The llguidance grammar of a spec; InvalidRequestError when the text is not one.
+    ``token_tags``: the tool-call and reasoning tags the tokenizer has as tokens."""
     ll = llguidance.LLMatcher
     try:
         if spec.kind == "json_schema":
@@ -102,9 +104,11 @@ def grammar_text(llguidance: Any, spec: ConstraintSpec) -> str:
             return ll.grammar_from_regex(spec.value)
         if spec.kind == "grammar":  # llguidance's Lark dialect (GBNF: llguidance.gbnf_to_lark)
             return ll.grammar_from_lark(spec.value)
+        if spec.kind == TOOL_CALLS:
+            return tool_grammar(spec.value, token_tags)
         if spec.kind == "choice":  # JSON string syntax is Lark's literal syntax
             return ll.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.value))
-    except (ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError, KeyError, TypeError) as exc:
         raise InvalidRequestError(spec.kind, str(exc)) from None
     raise InvalidRequestError("constraint", f"unknown constraint kind {spec.kind!r}")
 
@@ -134,6 +138,7 @@ class GrammarCompiler:
         self._timeout = compile_timeout_s
         self._limits = self._ll.LLParserLimits(**PARSER_LIMITS)
         self._ll_tokenizer: Any = None
+        self._token_tags: frozenset[str] = frozenset()  # TAGS that are tokens (set with the above)
         self._tokenizer_lock = threading.Lock()
         self._cache_lock = threading.Lock()
         # spec -> CompiledConstraint, or the InvalidRequestError it raised (a bad spec sent again
@@ -175,7 +180,7 @@ class GrammarCompiler:
     def _build(self, spec: ConstraintSpec) -> CompiledConstraint | InvalidRequestError:
         tokenizer = self._tokenizer_info()
         try:
-            grammar = grammar_text(self._ll, spec)
+            grammar = grammar_text(self._ll, spec, self._token_tags)
         except InvalidRequestError as exc:
             return exc
         outcome: dict[str, Any] = {}
@@ -206,7 +211,9 @@ class GrammarCompiler:
     def _tokenizer_info(self) -> Any:
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = self._build_tokenizer_info()
+                info = self._build_tokenizer_info()
+                self._token_tags = frozenset(_tags_as_tokens(self._tokenizer, info))
+                self._ll_tokenizer = info
             return self._ll_tokenizer
 
     def _build_tokenizer_info(self) -> Any:
@@ -225,3 +232,14 @@ class GrammarCompiler:
             raise FeatureUnavailableError(
                 f"structured output cannot use this tokenizer: {type(exc).__name__}: {exc}"
             ) from None
+
+
+def _tags_as_tokens(tokenizer: Any, info: Any) -> list[str]:
+    """The tags (``tool_grammar.TAGS``) that are one token each, which llguidance sees as
+    special tokens (every added token is one to it) and a grammar must name as such."""
+    out = []
+    for tag in TAGS:
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] < info.vocab_size and info.is_special_token(ids[0]):
+            out.append(tag)
+    return out

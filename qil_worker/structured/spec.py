@@ -7,9 +7,12 @@ import json
 from dataclasses import dataclass
 
 from qil_worker.errors import InvalidRequestError
-from qil_worker.request_limits import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CONSTRAINT_CHARS, json_fault
+from qil_worker.request_limits import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CONSTRAINT_CHARS, MAX_TOOL_GRAMMAR_CHARS, json_fault
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+# the constraint of a request's tool calls: a grammar the front writes from the tools
+# (``tool_grammar``), not an option of its own
+TOOL_CALLS = "tool_calls"
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class ConstraintSpec:
         regex: str | None = None,
         grammar: str | None = None,
         choice: list[str] | tuple[str, ...] | None = None,
+        tool_calls: str | None = None,
     ) -> "ConstraintSpec | None":
         """The request's constraint, or None without one; ``InvalidRequestError`` naming the
         field for a bad value or for a second constraint (a request has at most one).
@@ -42,6 +46,7 @@ class ConstraintSpec:
             "regex": regex,
             "grammar": grammar,
             "choice": choice,
+            TOOL_CALLS: tool_calls,
         }
         present = [kind for kind, value in given.items() if value is not None]
         if not present:
@@ -61,7 +66,7 @@ def _normalised(kind: str, value: object) -> str | tuple[str, ...] | bool:
         if value is not True:
             raise InvalidRequestError(kind, f"must be a boolean, got {value!r}")
         return True
-    if kind in ("regex", "grammar"):
+    if kind in ("regex", "grammar", TOOL_CALLS):
         if not isinstance(value, str) or not value:
             raise InvalidRequestError(kind, "must be a non-empty string")
         _check_size(kind, value)
@@ -129,5 +134,6 @@ def _choices(value: object) -> tuple[str, ...]:
 
 
 def _check_size(kind: str, text: str) -> None:
-    if len(text) > MAX_CONSTRAINT_CHARS:
-        raise InvalidRequestError(kind, f"{len(text)} characters; at most {MAX_CONSTRAINT_CHARS}")
+    limit = MAX_TOOL_GRAMMAR_CHARS if kind == TOOL_CALLS else MAX_CONSTRAINT_CHARS
+    if len(text) > limit:
+        raise InvalidRequestError(kind, f"{len(text)} characters; at most {limit}")

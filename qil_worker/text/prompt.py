@@ -205,10 +205,12 @@ def encode_prompt(
     messages: Sequence[dict[str, str]] | None = None,
     enable_thinking: bool | None = None,
     max_tokens: int | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
     document: bool = False,
 ) -> list[int]:
     """Exactly one of ``text`` (encoded as is; with ``document``, as ``encode_document``: an
-    embedding's input) or ``messages`` (rendered with the chat template).
+    embedding's input) or ``messages`` (rendered with the chat template, ``tools`` given to it
+    as transformers' ``apply_chat_template`` gives them).
 
     ``enable_thinking`` is Qwen3's switch for its reasoning block; None leaves the template's
     default. ``max_tokens``: raise ``PromptTooLong`` for a longer prompt (see ``encode_text``).
@@ -242,6 +244,8 @@ def encode_prompt(
     kwargs: dict[str, Any] = {"add_generation_prompt": True}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
+    if tools:
+        kwargs["tools"] = list(tools)
     try:
         rendered = tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - templates refuse messages by raising (raise_exception)

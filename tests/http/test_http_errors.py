@@ -111,7 +111,7 @@ def test_completions_400_names_the_parameter(server, body, param):
     ({}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",

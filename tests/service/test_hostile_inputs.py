@@ -178,9 +178,9 @@ def test_the_grammar_librarys_refusals_are_in_plain_words(text_server):
 
 def test_unsupported_parameters_name_themselves_in_the_message(text_server):
     base = text_server[2]
-    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
-    assert _error(_post_raw(base, "/v1/chat/completions", body), 400, "tools") == \
-        "tools: is not supported by this server"
+    body = {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}
+    assert _error(_post_raw(base, "/v1/chat/completions", body), 400, "functions") == \
+        "functions: is not supported by this server"
     _error(_post_raw(base, "/v1/completions", {"prompt": PROMPT, "temperature": -1}), 400, "temperature")
 
 

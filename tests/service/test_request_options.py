@@ -63,7 +63,8 @@ def test_submit_request_takes_each_option_as_a_keyword_argument():
         name for name, p in inspect.signature(submit_request).parameters.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     }
-    assert keyword_only - {"text", "messages", "stop_strings", *CONSTRAINT_NAMES} - NON_SCALAR == set(NAMES)
+    tools = {"tools", "tool_choice", "parallel_tool_calls"}  # one ToolUse message on the wire
+    assert keyword_only - {"text", "messages", "stop_strings", *CONSTRAINT_NAMES} - NON_SCALAR - tools == set(NAMES)
     assert NON_SCALAR <= keyword_only
     assert set(CONSTRAINT_NAMES) <= keyword_only
     req = submit_request([1], **{o.name: VALUES[o.type] for o in OPTIONS})

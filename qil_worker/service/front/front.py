@@ -31,7 +31,7 @@ from qil_worker.service.errors import (
     resource_exhausted,
     unavailable,
 )
-from qil_worker.service.front.request_log import FrontRequest, Retention
+from qil_worker.service.front.request_log import FrontRequest, Retention, assistant_split
 from qil_worker.service.front.outsized_submit import PromptSize
 from qil_worker.service.front.requests_in_flight import RequestsInFlight
 from qil_worker.service.front.supervisor import RestartPolicy, WorkerSupervisor
@@ -291,6 +291,7 @@ class Front:
                     max_new_tokens, prompt.field,
                 )
             req, acked = self.requests.add(rid, len(prompt.token_ids or ()), spec.sampling.n)
+            req.assistant = assistant_split(spec)
             self.supervisor.send(P.Submit(spec.with_id(rid)))
             try:
                 ack = await acked
@@ -361,7 +362,8 @@ class Front:
         return len(self._calls)
 
     async def tokenize(
-        self, text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None
+        self, text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The ids of a prompt as a submit of it would get them (both None: no tokens); a prompt
         of more tokens than the model has positions is refused, as a submit of it would be, and
@@ -370,7 +372,7 @@ class Front:
         try:
             max_tokens = self._tokenize_limit(text, messages)
             answer = await self._tokenizer_call(
-                lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking, max_tokens)
+                lambda call_id: P.Tokenize(call_id, text, messages, enable_thinking, max_tokens, tools)
             )
         finally:
             if prompt_chars(text, messages) >= OUTSIZED_CHARS:

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from qil_worker.service.protocol import FinalRecord, FinishReason, ScoredPrompt
+from qil_worker.structured.spec import TOOL_CALLS
+
+if TYPE_CHECKING:
+    from qil_worker.engine.spec import RequestSpec
 
 
 class Listener(Protocol):
@@ -48,7 +52,7 @@ class FrontRequest:
 
     __slots__ = (
         "rid", "prompt_len", "n", "tokens", "samples", "texts", "logprobs", "top", "ends", "final",
-        "lost", "cached_tokens", "prompt_logprobs", "_listeners",
+        "lost", "cached_tokens", "prompt_logprobs", "assistant", "_listeners",
     )
 
     def __init__(self, rid: str, prompt_len: int, n: int = 1) -> None:
@@ -65,6 +69,9 @@ class FrontRequest:
         self.lost = False  # ended because the worker died
         self.cached_tokens = 0  # prompt tokens from the prefix cache, once its first token came
         self.prompt_logprobs: ScoredPrompt | None = None  # asked for, and the prompt is scored
+        # a chat prompt's: whether its output's tool-call blocks are calls (None: not a chat
+        # prompt, its output is not split; ``assistant_split``)
+        self.assistant: bool | None = None
         self._listeners: set[Listener] = set()
 
     def listen(self, listener: Listener) -> None:
@@ -194,3 +201,12 @@ class Retention:
             self.forget(rid)
             dropped.append(rid)
         return dropped
+
+
+def assistant_split(spec: RequestSpec) -> bool | None:
+    """How a request's output is split into reasoning, content and calls (``FrontRequest
+    .assistant``): not at all for a prompt that is not chat messages; calls parsed when its
+    tool calls are constrained (tools given, their choice not none)."""
+    if spec.prompt.messages is None:
+        return None
+    return spec.constraint is not None and spec.constraint.kind == TOOL_CALLS

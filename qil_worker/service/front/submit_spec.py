@@ -17,6 +17,7 @@ from qil_worker.errors import InvalidRequestError
 from qil_worker.service.errors import ServiceError, invalid
 from qil_worker.service.front.front import release_outsized_later
 from qil_worker.service.front.outsized_submit import OutsizedSubmit, PromptSize
+from qil_worker.service.front.submit_tools import chat_message, tools_options
 
 if TYPE_CHECKING:
     from qil_worker.service.front.front import Front
@@ -52,7 +53,8 @@ def submit_spec(request: pb.SubmitRequest, prompt: PromptSize | None = None) -> 
     elif prompt is None and given[0] == "text":
         options["text"] = text
     elif prompt is None:
-        options["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        options["messages"] = [{"role": m.role, "content": m.content} if _plain(m) else _checked(chat_message, i, m)
+                               for i, m in enumerate(request.messages)]
     if request.stop_strings:
         options["stop_strings"] = list(request.stop_strings)
     if request.logit_bias:
@@ -63,10 +65,25 @@ def submit_spec(request: pb.SubmitRequest, prompt: PromptSize | None = None) -> 
     for name in OPTION_NAMES:  # the spec takes each under its proto name
         if request.HasField(name):
             options[name] = getattr(request, name)
+    tools = _checked(tools_options, request)
+    if "tool_calls" in tools and kind is not None:
+        raise invalid(kind, "cannot be combined with tools unless their choice is none")
+    options.update(tools)
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
     try:
         # (the id is the front's to check and give: ``Front.submit``)
         return RequestSpec.of(max_new_tokens=max_new, stop_token_ids=list(request.stop_token_ids), **options)
+    except InvalidRequestError as exc:
+        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+
+
+def _plain(message: pb.ChatMessage) -> bool:
+    return not (message.tool_calls or message.tool_call_id or message.reasoning_content or message.role == "tool")
+
+
+def _checked(check, *args):
+    try:
+        return check(*args)
     except InvalidRequestError as exc:
         raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
 

@@ -43,7 +43,7 @@ def encode_within(tokenizer: Any, spec: RequestSpec, room: PromptRoom) -> list[i
     prompt, max_new_tokens = spec.prompt, spec.max_new_tokens
     try:
         return encode_prompt(tokenizer, prompt.text, prompt.messages, prompt.enable_thinking,
-                             room.max_prompt(max_new_tokens), document=spec.embeds)
+                             room.max_prompt(max_new_tokens), prompt.tools, document=spec.embeds)
     except PromptTooLong as too_long:
         raise room.refusal(too_long, max_new_tokens, prompt.field) from None
 

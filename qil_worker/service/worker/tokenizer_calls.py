@@ -27,7 +27,7 @@ def tokenize(tokenizer: Any, call: P.Tokenize) -> P.Tokenized:
         if call.text is None and call.messages is None:
             return P.Tokenized(call.call_id, [])  # the empty prompt (a Submit refuses it)
         try:
-            ids = encode_prompt(tokenizer, call.text, call.messages, call.enable_thinking, call.max_tokens)
+            ids = encode_prompt(tokenizer, call.text, call.messages, call.enable_thinking, call.max_tokens, call.tools)
         except PromptTooLong as too_long:
             assert call.max_tokens is not None
             field = "messages" if call.messages is not None else "text"

@@ -44,6 +44,9 @@ class Endpoint(Protocol):
     def full_choice(self, state: Any, index: int, req: FrontRequest, positions: list[int],
                     end: SampleEnd | None, strings: dict[int, str] | None) -> dict: ...
 
+    def reasoning_tokens(self, reqs: list[FrontRequest]) -> int | None:
+        """Of the output tokens, those that were reasoning (None: the endpoint has none)."""
+
 
 def with_api_param(err: ServiceError, params: CallParams, chat: bool) -> ServiceError:
     """The engine's field names (max_new_tokens...) → the API's (max_tokens...)."""
@@ -82,7 +85,7 @@ async def handle(ctx: "HttpContext", request: web.Request, endpoint: Endpoint) -
                 endpoint.full_choice(state, p * n + j, req, positions.get(j, []), sample_end(req, j), strings)
                 for j in range(n)
             )
-        return web.json_response({**head, "choices": answers, "usage": usage(reqs, not params.hide_output)},
+        return web.json_response({**head, "choices": answers, "usage": _usage(endpoint, reqs, params)},
                                  dumps=dumps)
     finally:
         choices.close()
@@ -129,9 +132,17 @@ async def _stream(ctx: "HttpContext", request: web.Request, endpoint: Endpoint, 
         await events.close()
         return events.response
     if params.include_usage:
-        await events.send({**chunk_head, "choices": [], "usage": usage(choices.reqs, not params.hide_output)})
+        await events.send({**chunk_head, "choices": [], "usage": _usage(endpoint, choices.reqs, params)})
     await events.close()
     return events.response
+
+
+def _usage(endpoint: Endpoint, reqs: list[FrontRequest], params: CallParams) -> dict[str, Any]:
+    out = usage(reqs, not params.hide_output)
+    reasoning = endpoint.reasoning_tokens(reqs)
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
 
 
 def error_response(err: ServiceError) -> web.Response:

@@ -96,3 +96,6 @@ class Completions:
         if strings is not None:
             logprobs = completion_logprobs(req, positions, strings, len(echo), self._prompt_part(state, index, req, strings))
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(end)}
+
+    def reasoning_tokens(self, reqs: list[FrontRequest]) -> int | None:
+        return None  # a completion's text is not split

@@ -13,7 +13,10 @@ from typing import Any
 
 from qil_worker.errors import InvalidRequestError
 from qil_worker.request_limits import MAX_CALL_CHOICES, MAX_LOGIT_BIAS, check_count, check_stop_strings
-from qil_worker.structured.spec import ConstraintSpec
+from qil_worker.structured.spec import CONSTRAINT_KINDS, ConstraintSpec
+from qil_worker.structured.tool_grammar import tool_options
+from qil_worker.structured.tools import ToolRequest, tool_request
+from qil_worker.text.tool_messages import tool_parts
 from qil_worker.service.errors import invalid
 
 # body parameter → (Engine.submit keyword, type) for those that pass straight through; the
@@ -41,9 +44,7 @@ COMPLETIONS_MAX_TOKENS = 16
 # neutral value, so that a caller relying on one learns at once
 _UNSUPPORTED_UNLESS = {
     "suffix": (None,),
-    "tools": (None, []),
     "functions": (None, []),
-    "tool_choice": (None, "none"),
     "function_call": (None, "none"),
     "audio": (None,),
     "prediction": (None,),
@@ -80,6 +81,7 @@ def param_of(engine_field: str | None, chat: bool, max_tokens_param: str = "max_
         "regex": "guided_regex",
         "grammar": "guided_grammar",
         "choice": "guided_choice",
+        "tool_calls": "tools",
     }
     return names.get(engine_field, engine_field)
 
@@ -109,6 +111,7 @@ class CallParams:
     echo: bool = False
     hide_output: bool = False  # max_tokens 0: the one token the engine ran is not answered
     max_tokens_param: str = "max_tokens"  # the parameter max_new_tokens came from
+    tools: ToolRequest | None = None  # chat: the request's tools, and its tool_choice
 
     def api_param(self, engine_field: str | None, chat: bool) -> str | None:
         """``param_of`` for this call."""
@@ -160,8 +163,9 @@ def completion_prompts(body: dict, field: str = "prompt") -> list[Prompt]:
     raise invalid(field, f"must be {shape}")
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
-    """``messages``: role and content (a string, or text parts, which are joined)."""
+def chat_messages(body: dict) -> list[dict[str, Any]]:
+    """``messages``: role and content (a string, or text parts, which are joined), and their
+    tool parts (``tool_messages``)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty array of messages")
@@ -182,7 +186,9 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
         elif not isinstance(content, str):
             raise invalid("messages", f"[{i}].content must be a string or an array of text parts")
         role = m["role"]
-        out.append({"role": ROLE_ALIASES.get(role, role), "content": content})
+        message = {"role": ROLE_ALIASES.get(role, role), "content": content}
+        message.update(_checked(tool_parts, i, m))
+        out.append(message)
     return out
 
 
@@ -350,8 +356,24 @@ def chat_params(body: dict) -> CallParams:
     thinking = thinking_of(body)
     if thinking is not None:
         params.options["enable_thinking"] = thinking
+    _tools(body, params, thinking)
     _check_choices(params)
     return params
+
+
+def _tools(body: dict, params: CallParams, thinking: bool | None) -> None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``: the tools go to the chat template,
+    and unless ``tool_choice`` is none, the calls are held to their schemas (``tool_grammar``)."""
+    tools = _checked(tool_request, body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    if tools is None:
+        return
+    params.tools = tools
+    options = tool_options(tools, thinking)
+    given = next((k for k in CONSTRAINT_KINDS if k in params.options), None)
+    if given is not None and "tool_calls" in options:
+        raise invalid(param_of(given, chat=True) or given,
+                      "cannot be combined with tools unless tool_choice is none")
+    params.options.update(options)
 
 
 def thinking_of(body: dict) -> bool | None:

@@ -1,0 +1,101 @@
+"""Tool calls over gRPC through ``qil_client`` (sync and asyncio) against a real server and
+worker, on the tiny random model with a Qwen3-style template with tools (``tool_fixtures``):
+the calls come back parsed on the final event and in ``Result.tool_calls``, each matching its
+function's schema; reasoning and content apart; bad tools refused naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+
+from qil_client import AsyncClient, Client, InvalidArgument, pb
+from service_fixtures import start_server
+from tool_fixtures import ADD, SCHEMAS, TOOLS, WEATHER, make_tool_checkpoint
+
+ENGINE = dict(num_pages=2048, page_size=8, token_budget=512, prefill_chunk=256, max_active=16)
+ASK = [{"role": "user", "content": "hello world"}]
+CALLS = dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, enable_thinking=False,
+             max_new_tokens=1500, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(make_tool_checkpoint(tmp_path_factory.mktemp("svc-tools")), engine=ENGINE)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target, timeout=120) as c:
+        yield c
+
+
+def check(call) -> None:
+    assert call.id.startswith("call_")
+    jsonschema.validate(call.args, SCHEMAS[call.name])
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_calls_come_back_parsed_and_valid(client, seed):
+    result = client.generate(seed=seed, **CALLS)
+    assert result.finish_reason == "stop"
+    assert len(result.tool_calls) == 1
+    check(result.tool_calls[0])
+    assert result.content is not None and not result.content.strip()
+    assert "<tool_call>" in result.text  # the whole output is still the text
+    assert json.loads(result.text.split("\n")[1])["arguments"] == result.tool_calls[0].args
+
+
+def test_a_named_function_and_the_async_client(server):
+    async def run():
+        async with AsyncClient(server.target, timeout=120) as c:
+            return await asyncio.gather(*(c.generate(**{**CALLS, "tool_choice": "add", "seed": s}) for s in (4, 5)))
+
+    for result in asyncio.run(run()):
+        assert [c.name for c in result.tool_calls] == ["add"]
+        check(result.tool_calls[0])
+
+
+def test_the_final_event_carries_the_calls_for_every_subscriber(client):
+    events = list(client.stream(seed=6, **CALLS))
+    final = events[-1]
+    assert final.finished and len(final.tool_calls) == 1
+    again = client.generate(seed=6, **CALLS)
+    assert (final.tool_calls[0].name, final.tool_calls[0].arguments) == \
+        (again.tool_calls[0].name, again.tool_calls[0].arguments)
+
+
+def test_n_samples_each_carry_their_calls(client):
+    result = client.generate(seed=8, n=2, **CALLS)
+    assert [s.sample_index for s in result.samples] == [0, 1]
+    for sample in result.samples:
+        check(sample.tool_calls[0])
+
+
+def test_history_with_calls_and_results_is_rendered(client):
+    history = [
+        {"role": "user", "content": "add 2 and 3"},
+        pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="c1", name="add", arguments='{"a": 2, "b": 3}')]),
+        pb.ChatMessage(role="tool", content="5", tool_call_id="c1"),
+    ]
+    plain = client.generate(messages=history[:1], tools=[ADD, WEATHER], tool_choice="none", max_new_tokens=1)
+    longer = client.generate(messages=history, tools=[ADD, WEATHER], tool_choice="none", max_new_tokens=1)
+    assert longer.num_prompt_tokens > plain.num_prompt_tokens
+    assert not longer.tool_calls  # choice none: no calls parsed
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(tools=[{"name": "bad name"}]), "tools[0].function.name"),
+    (dict(tools=[pb.Tool(name="f", parameters="{not json")]), "tools[0].function.parameters"),
+    (dict(tools=[ADD], tool_choice="nope"), "tool_choice.function.name"),
+    (dict(tools=[ADD], json_object=True), "json_object"),
+    (dict(messages=[pb.ChatMessage(role="tool", content="5")]), "messages[0].tool_call_id"),
+])
+def test_bad_tools_are_invalid_argument_naming_the_field(client, kw, field):
+    with pytest.raises(InvalidArgument) as info:
+        client.generate(**{"messages": ASK, "max_new_tokens": 2, **kw})
+    assert info.value.field == field, str(info.value)
