@@ -32,12 +32,12 @@ class ForwardProbe:
         self.page_size = page_size
         if not isinstance(attention, AttentionBackend):
             attention, _ = choose_backend(
-                attention, model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads,
+                attention, model.device, model.dtype, page_size, model.heads.q_heads, model.heads.kv_heads,
                 c.head_dim,
             )
         self.attention = attention
         self.kv = KVCache(
-            c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
+            c.num_hidden_layers, num_pages, page_size, model.heads.kv_heads, c.head_dim,
             model.dtype, model.device, debug=True,
         )
         self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
@@ -64,7 +64,7 @@ class ForwardProbe:
                 raise RuntimeError("probe page pool exhausted")
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
         batch = build_step_inputs(
-            chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
+            chunks, self.attention, self.page_size, self.model.heads.query_groups, self.model.device,
         )
         self.kv.check_reads(batch.attention.slot_mapping, batch.attention.reads())
         total = sum(c.num_tokens for c in batch.chunks)

@@ -62,7 +62,7 @@ class ModelRunner:
 
     def __init__(self, model: Qwen3, config: EngineConfig, attention: AttentionBackend | None = None) -> None:
         """``attention``: a backend object instead of ``config.attention``'s name (tests)."""
-        c = model.config
+        c, heads = model.config, model.heads  # (this rank's heads under tensor parallelism)
         self.model = model
         self.page_size = config.page_size
         if config.cuda_graphs and config.debug and model.device.type == "cuda":
@@ -75,14 +75,14 @@ class ModelRunner:
             self.attention, why_not = attention, None
         else:
             self.attention, why_not = choose_backend(
-                config.attention, model.device, model.dtype, config.page_size, c.num_attention_heads,
-                c.num_key_value_heads, c.head_dim,
+                config.attention, model.device, model.dtype, config.page_size, heads.q_heads,
+                heads.kv_heads, heads.head_dim,
             )
         if why_not and model.device.type == "cuda":
             log.info("attention: %s (not the paged varlen kernel: %s)", self.attention.name, why_not)
         scratch = scratch_pages(model, config.cuda_graphs, config.debug)
         self.kv = KVCache(
-            c.num_hidden_layers, config.num_pages, config.page_size, c.num_key_value_heads, c.head_dim,
+            c.num_hidden_layers, config.num_pages, config.page_size, heads.kv_heads, heads.head_dim,
             model.dtype, model.device, debug=config.debug, scratch_pages=scratch,
         )
         self.sampler = Sampler()
@@ -139,7 +139,7 @@ class ModelRunner:
             logits = self.step_graphs.run(chunks, bucket, in_flight_tokens)
         else:
             inputs = build_step_inputs(
-                chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
+                chunks, self.attention, self.page_size, self.model.heads.query_groups, self.model.device,
                 in_flight_tokens,
             )
             self.kv.check_reads(inputs.attention.slot_mapping, inputs.attention.reads())

@@ -1,0 +1,84 @@
+"""Running a job on every rank of a gloo tensor-parallel group of spawned processes, and the
+jobs the tensor-parallel tests run there (each rank loads only its shard of the checkpoint)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RANK_TIMEOUT_S = 240  # a whole job on one rank, start-up included (two shared cores)
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def run_ranks(job: Callable[..., Any], world_size: int, workdir: Path, *args: Any) -> list[Any]:
+    """``job(parallel, *args)`` on ``world_size`` spawned ranks → each rank's return value, in
+    rank order. A rank that fails, or outlives ``RANK_TIMEOUT_S``, fails the call."""
+    ctx = multiprocessing.get_context("spawn")
+    store = workdir / "tp-store"
+    procs = [ctx.Process(target=_rank_main, args=(job, rank, world_size, str(store), str(workdir), args))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(RANK_TIMEOUT_S)
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        assert not alive, f"rank(s) {alive} still running after {RANK_TIMEOUT_S} s"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [workdir / f"rank{r}.err" for r in range(world_size)]
+    failed = [e.read_text() for e in errors if e.exists()]
+    assert not failed, "\n".join(failed)
+    assert [p.exitcode for p in procs] == [0] * world_size
+    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _rank_main(job, rank: int, world_size: int, store: str, workdir: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    from qil_worker.parallel.group import join_group, leave_group
+
+    try:
+        parallel = join_group(rank, world_size, f"file://{store}", timeout_s=COLLECTIVE_TIMEOUT_S)
+        try:
+            result = job(parallel, *args)
+        finally:
+            leave_group()
+        torch.save(result, Path(workdir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(workdir) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+# -- jobs ----------------------------------------------------------------------------------------
+
+def forward_and_generate(parallel, checkpoint: str, prompts: list[list[int]], logit_prompt: list[int],
+                         fused: bool | None = None, num_pages: int = 30) -> dict[str, Any]:
+    """On one rank: the logits of a full prefill of ``logit_prompt``, then the greedy tokens of
+    ``prompts`` on an engine whose pool of ``num_pages`` pages of 4 forces preemption, the
+    prefix cache on; with the engine's counters and the rank's weight bytes."""
+    from qil_worker import Engine, Qwen3
+    from qil_worker.engine.probe import ForwardProbe
+
+    model = Qwen3.from_directory(checkpoint, dtype="float32", parallel=parallel, fused_projections=fused)
+    probe = ForwardProbe(model, num_pages=32, page_size=4)
+    (logits,) = probe.forward([(probe.sequence(logit_prompt), len(logit_prompt))])
+    engine = Engine(model, num_pages=num_pages, page_size=4, prefix_cache=True)
+    results = engine.generate(prompts, max_new_tokens=10)
+    stats = engine.stats()
+    engine.close()
+    return {
+        "logits": logits,
+        "tokens": [r.output_token_ids for r in results],
+        "preemptions": sum(r.num_preemptions for r in results),
+        "pages_used": stats.num_pages_used,
+        "prefix_hit_rate": stats.prefix_cache_hit_rate,
+        "weight_bytes": model.weight_summary()[1],
+        "kv_heads": model.heads.kv_heads,
+    }
