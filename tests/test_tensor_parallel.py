@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU with gloo: ranks in spawned processes, each loading only its shard,
 give the single-device model's logits and transformers' greedy tokens (dense and MoE, float32).
 
-Every rank runs the same engine on the same requests here (slice 1 of #37: the sharded model);
-greedy scheduling is deterministic, so the ranks reach every collective together.
+Rank 0 runs the engine (scheduler, page pool, sampling); the other ranks follow the steps it
+sends them (``runner.follower``), KV page copies of forked samples included.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 from checkpoints import load_moe_reference, load_reference, make_checkpoint, make_moe_checkpoint
 from engine_helpers import random_prompts, reference_greedy
-from tp_ranks import forward_and_generate, run_ranks
+from tp_ranks import SAMPLED_PROMPT, forward_and_generate, run_ranks
 
-from qil_worker import Qwen3
+from qil_worker import Engine, Qwen3
 from qil_worker.engine.probe import ForwardProbe
 from qil_worker.errors import ConfigError
 from qil_worker.parallel import ParallelState
@@ -25,25 +25,32 @@ PROMPTS += [SHARED + [5, 6], SHARED + [7]]  # a shared prefix of 4 pages: prefix
 LOGIT_PROMPT = random_prompts([23], seed=4)[0]
 
 
-def single_device_logits(path) -> tuple[torch.Tensor, int]:
-    """TP 1's logits of ``LOGIT_PROMPT`` and its weight bytes."""
+def single_device(path) -> tuple[torch.Tensor, int, list[list[int]]]:
+    """TP 1's logits of ``LOGIT_PROMPT``, its weight bytes and its two seeded samples."""
     model = Qwen3.from_directory(path, dtype="float32")
     probe = ForwardProbe(model, num_pages=32, page_size=4)
     (logits,) = probe.forward([(probe.sequence(LOGIT_PROMPT), len(LOGIT_PROMPT))])
-    return logits, model.weight_summary()[1]
+    engine = Engine(model, num_pages=30, page_size=4)
+    sampled = engine.generate([SAMPLED_PROMPT], max_new_tokens=6, n=2, temperature=1.0, seed=7)[0]
+    return logits, model.weight_summary()[1], [r.output_token_ids for r in sampled]
 
 
-def check_ranks(ranks: list[dict], path, reference, world_size: int) -> None:
-    """Every rank: TP 1's logits to 1e-4, transformers' greedy tokens after preemption, prefix
-    hits, every page free; each rank's weights a fraction of the whole model's."""
-    want_logits, whole_bytes = single_device_logits(path)
-    expected = [reference_greedy(reference, p, 10) for p in PROMPTS]
-    for rank, got in enumerate(ranks):
-        assert (got["logits"] - want_logits).abs().max().item() < 1e-4, rank
-        assert got["tokens"] == expected, rank
-        assert got["preemptions"] > 0, "the pool was meant to force preemption"
-        assert got["prefix_hit_rate"] > 0
-        assert got["pages_used"] == 0
+def check_ranks(ranks: list[dict], path, reference, world_size: int, prompts=PROMPTS) -> None:
+    """Rank 0: TP 1's logits to 1e-4 and its seeded samples, transformers' greedy tokens after
+    preemption, prefix hits, every page free; the others followed its steps. Each rank's weights
+    a fraction of the whole model's."""
+    want_logits, whole_bytes, want_sampled = single_device(path)
+    lead = ranks[0]
+    assert (lead["logits"] - want_logits).abs().max().item() < 1e-4
+    assert lead["tokens"] == [reference_greedy(reference, p, 10) for p in prompts]
+    assert lead["sampled"] == want_sampled and lead["sampled"][0] != lead["sampled"][1]
+    assert lead["prefix_hit_rate"] > 0
+    assert lead["pages_used"] == 0
+    if prompts is PROMPTS:  # (too few others to press the pool)
+        assert lead["preemptions"] > 0, "the pool was meant to force preemption"
+    for got in ranks[1:]:
+        assert got["steps"] > len(prompts)
+    for got in ranks:
         # a rank holds its share of everything but the norms, routers and replicated KV heads
         assert got["weight_bytes"] < whole_bytes * (1 / world_size + 0.25), (got["weight_bytes"], whole_bytes)
 
@@ -90,13 +97,16 @@ def test_fused_wiring_tp2_dense_and_moe(dense_dirs, moe_dir, tmp_path):
 def test_tp4_replicates_kv_heads_across_rank_pairs(dense_dirs, tmp_path):
     """Four query heads, two KV heads on four ranks: ranks 0-1 share KV head 0, ranks 2-3 head 1."""
     path = dense_dirs["tied"]
-    ranks = run_ranks(forward_and_generate, 4, tmp_path, str(path), PROMPTS[:2], LOGIT_PROMPT)
-    want_logits, _ = single_device_logits(path)
-    expected = [reference_greedy(load_reference(path), p, 10) for p in PROMPTS[:2]]
-    for got in ranks:
-        assert (got["logits"] - want_logits).abs().max().item() < 1e-4
-        assert got["tokens"] == expected
-        assert got["kv_heads"] == 1
+    prompts = PROMPTS[:1] + PROMPTS[-2:]
+    ranks = run_ranks(forward_and_generate, 4, tmp_path, str(path), prompts, LOGIT_PROMPT)
+    check_ranks(ranks, path, load_reference(path), 4, prompts)
+    assert [r["kv_heads"] for r in ranks] == [1, 1, 1, 1]
+
+
+def test_a_rank_other_than_0_runs_no_engine(dense_dirs):
+    model = Qwen3.from_directory(dense_dirs["tied"], parallel=ParallelState(1, 2))
+    with pytest.raises(ValueError, match="rank 1 follows rank 0"):
+        Engine(model, num_pages=8, page_size=4)
 
 
 def test_sizes_that_do_not_divide_are_refused_naming_the_fields(dense_dirs, moe_dir):

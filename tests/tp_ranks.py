@@ -58,27 +58,34 @@ def _rank_main(job, rank: int, world_size: int, store: str, workdir: str, args: 
 
 # -- jobs ----------------------------------------------------------------------------------------
 
+SAMPLED_PROMPT = list(range(3, 13))  # 10 tokens: a partial page of 4, copied for the second sample
+
+
 def forward_and_generate(parallel, checkpoint: str, prompts: list[list[int]], logit_prompt: list[int],
                          fused: bool | None = None, num_pages: int = 30) -> dict[str, Any]:
-    """On one rank: the logits of a full prefill of ``logit_prompt``, then the greedy tokens of
-    ``prompts`` on an engine whose pool of ``num_pages`` pages of 4 forces preemption, the
-    prefix cache on; with the engine's counters and the rank's weight bytes."""
+    """Rank 0: the logits of a full prefill of ``logit_prompt``, the greedy tokens of ``prompts``
+    on an engine whose pool of ``num_pages`` pages of 4 forces preemption (prefix cache on), and
+    two seeded samples of ``SAMPLED_PROMPT`` (a fork: page copies on every rank); with the
+    engine's counters. The other ranks follow it. Every rank: its weight bytes and KV heads."""
     from qil_worker import Engine, Qwen3
+    from qil_worker.engine.config import EngineConfig
     from qil_worker.engine.probe import ForwardProbe
+    from qil_worker.engine.runner.follower import follow
 
     model = Qwen3.from_directory(checkpoint, dtype="float32", parallel=parallel, fused_projections=fused)
-    probe = ForwardProbe(model, num_pages=32, page_size=4)
-    (logits,) = probe.forward([(probe.sequence(logit_prompt), len(logit_prompt))])
-    engine = Engine(model, num_pages=num_pages, page_size=4, prefix_cache=True)
+    config = EngineConfig(num_pages=num_pages, page_size=4, prefix_cache=True)
+    out: dict[str, Any] = {"weight_bytes": model.weight_summary()[1], "kv_heads": model.heads.kv_heads}
+    if parallel.rank > 0:
+        out["steps"] = follow(model, config)
+        return out
+    probe = ForwardProbe(model, num_pages=num_pages, page_size=4)
+    (out["logits"],) = probe.forward([(probe.sequence(logit_prompt), len(logit_prompt))])
+    engine = Engine(model, config)
     results = engine.generate(prompts, max_new_tokens=10)
+    out["sampled"] = [r.output_token_ids for r in
+                      engine.generate([SAMPLED_PROMPT], max_new_tokens=6, n=2, temperature=1.0, seed=7)[0]]
     stats = engine.stats()
     engine.close()
-    return {
-        "logits": logits,
-        "tokens": [r.output_token_ids for r in results],
-        "preemptions": sum(r.num_preemptions for r in results),
-        "pages_used": stats.num_pages_used,
-        "prefix_hit_rate": stats.prefix_cache_hit_rate,
-        "weight_bytes": model.weight_summary()[1],
-        "kv_heads": model.heads.kv_heads,
-    }
+    out.update(tokens=[r.output_token_ids for r in results], preemptions=sum(r.num_preemptions for r in results),
+               pages_used=stats.num_pages_used, prefix_hit_rate=stats.prefix_cache_hit_rate)
+    return out

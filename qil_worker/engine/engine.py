@@ -367,7 +367,7 @@ class Engine:
         requests, forks = launched.requests, launched.forks
         self.scheduler.commit(launched.computed)
         for row, group in forks:  # before any token is accepted: a sample that ends holds the pages
-            samples.fork(requests[row], group, self.scheduler, self.pool, self.runner.kv)
+            samples.fork(requests[row], group, self.scheduler, self.pool, self.runner)
         stays = self.overlap and stays_in_flight(requests, forks)
         return InFlightStep(chunks, requests, launched.sample, stays)
 

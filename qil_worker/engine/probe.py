@@ -20,6 +20,7 @@ from qil_worker.engine.request import Request
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.kv import KVCache, PagePool, PageTable
 from qil_worker.model import Qwen3
+from qil_worker.parallel.step_broadcast import StepSender
 
 
 class ForwardProbe:
@@ -41,6 +42,9 @@ class ForwardProbe:
             model.dtype, model.device, debug=True,
         )
         self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
+        # rank 0 of a tensor-parallel group: its forwards are the followers' too (its engine's
+        # ``close`` releases them)
+        self.sender = StepSender.of(model)
 
     def sequence(self, token_ids: Sequence[int]) -> Request:
         """A sequence whose tokens are all known up front; compute it with ``forward``."""
@@ -69,6 +73,8 @@ class ForwardProbe:
         self.kv.check_reads(batch.attention.slot_mapping, batch.attention.reads())
         total = sum(c.num_tokens for c in batch.chunks)
         every = torch.arange(total, device=self.model.device)
+        if self.sender is not None:
+            self.sender.step(batch.input_ids, batch.positions, every, batch.layout)
         logits = self.model(batch.input_ids, batch.positions, batch.attention, self.kv, every).float()
         by_chunk = dict(zip(map(id, batch.chunks), logits.split([c.num_tokens for c in batch.chunks])))
         for c in chunks:

@@ -20,11 +20,14 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 @dataclass(frozen=True)
 class ParallelState:
     """``rank`` of ``world_size`` ranks joined in ``group`` (a ``torch.distributed`` process
-    group; None: the default group, or no group at world size 1)."""
+    group for the forward's collectives; None: the default group, or no group at world size 1).
+    ``control_group``: a host (gloo) group of the same ranks for rank 0's step messages, whose
+    long timeout lets followers wait through an idle server (``step_broadcast``)."""
 
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    control_group: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -36,11 +39,6 @@ class ParallelState:
     def sharded(self) -> bool:
         """Whether weights are split across more than one rank (collectives needed)."""
         return self.world_size > 1
-
-    @classmethod
-    def from_default_group(cls) -> "ParallelState":
-        """This process's rank in the initialised default group."""
-        return cls(dist.get_rank(), dist.get_world_size(), None)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (the partial outputs of a row-parallel projection)."""

@@ -39,6 +39,7 @@ class StepInputs:
     sampled: list[ScheduledChunk]  # chunks whose request gets a new token, in row order
     chunks: list[ScheduledChunk]  # every chunk, in flat token order
     prompt_rows: list[PromptRows]  # the P rows after the sampled ones, in order
+    layout: StepLayout  # what ``attention`` was built from (sent to tensor-parallel followers)
 
 
 def build_step_inputs(
@@ -75,6 +76,7 @@ def build_step_inputs(
         sampled=tokens.sampled,
         chunks=ordered,
         prompt_rows=tokens.prompt_rows,
+        layout=layout,
     )
 
 

@@ -29,6 +29,7 @@ from qil_worker.engine.sampler import DeviceSample, Sampler
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.kv import KVCache
 from qil_worker.model import Qwen3
+from qil_worker.parallel.step_broadcast import StepSender
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,15 @@ class LaunchedStep:
     forks: list
 
 
+def kv_cache(model: Qwen3, config: EngineConfig, scratch: int = 0) -> KVCache:
+    """The KV tensors of ``config``'s pool for ``model``'s (this rank's) KV heads."""
+    heads = model.heads
+    return KVCache(
+        model.config.num_hidden_layers, config.num_pages, config.page_size, heads.kv_heads, heads.head_dim,
+        model.dtype, model.device, debug=config.debug, scratch_pages=scratch,
+    )
+
+
 class ModelRunner:
     """Runs the forward of every step of one engine, and samples its tokens on the device."""
 
@@ -81,10 +91,9 @@ class ModelRunner:
         if why_not and model.device.type == "cuda":
             log.info("attention: %s (not the paged varlen kernel: %s)", self.attention.name, why_not)
         scratch = scratch_pages(model, config.cuda_graphs, config.debug)
-        self.kv = KVCache(
-            c.num_hidden_layers, config.num_pages, config.page_size, heads.kv_heads, heads.head_dim,
-            model.dtype, model.device, debug=config.debug, scratch_pages=scratch,
-        )
+        self.kv = kv_cache(model, config, scratch)
+        # rank 0 of a tensor-parallel group sends each step to the other ranks (None: one device)
+        self.sender = StepSender.of(model)
         self.sampler = Sampler()
         # grammar masks filled beside the forward where the host is idle meanwhile
         self.sampler.grammar_masks.overlap = model.device.type == "cuda"
@@ -146,6 +155,8 @@ class ModelRunner:
             computed = inputs.chunks
             requests = [c.request for c in inputs.sampled]
             self.sampler.prepare(requests, vocab)
+            if self.sender is not None:
+                self.sender.step(inputs.input_ids, inputs.positions, inputs.logit_indices, inputs.layout)
             logits = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv, inputs.logit_indices)
             if inputs.prompt_rows:  # the rows after the sampled ones score prompt tokens
                 prompt_logprobs.score(logits[len(requests):], inputs.prompt_rows)
@@ -154,7 +165,17 @@ class ModelRunner:
         logits, requests = samples.with_fork_rows(logits, requests, forks)
         return LaunchedStep(self.sampler.sample_on_device(logits, requests), computed, requests, forks)
 
+    def copy_pages(self, sources: list[int], targets: list[int]) -> None:
+        """``KVCache.copy_pages`` on every rank (forked samples, ``engine.samples``)."""
+        if self.sender is not None and sources:
+            self.sender.copy_pages(sources, targets)
+        self.kv.copy_pages(sources, targets)
+
     def close(self) -> None:
-        """Drop the graphs (they hold the KV tensors' addresses) and the KV tensors."""
+        """Drop the graphs (they hold the KV tensors' addresses) and the KV tensors; release
+        the tensor-parallel followers."""
+        if self.sender is not None:
+            self.sender.stop()
+            self.sender = None
         self.decode_graphs = self.step_graphs = None
         self.kv.k = self.kv.v = torch.empty(0)
