@@ -12,7 +12,7 @@ import torch
 
 from checkpoints import load_moe_reference, load_reference, make_checkpoint, make_moe_checkpoint
 from engine_helpers import random_prompts, reference_greedy
-from tp_ranks import SAMPLED_PROMPT, forward_and_generate, run_ranks
+from tp_ranks import SAMPLED_PROMPT, forward_and_generate, kill_a_follower_mid_stream, run_ranks
 
 from qil_worker import Engine, Qwen3
 from qil_worker.engine.probe import ForwardProbe
@@ -125,3 +125,18 @@ def test_tp1_holds_the_whole_model_and_no_shards(dense_dirs):
     assert model.weight_shards() == {} and not model.parallel.sharded
     assert model.embed.shape[0] == model.config.vocab_size
     assert all(layer.reduce is None for layer in model.layers)
+
+
+def test_a_killed_follower_fails_the_streams_at_once_and_the_engine_refuses_work(dense_dirs, tmp_path):
+    """SIGKILL of rank 1 mid-stream: rank 0's next collective fails at once (no wait for a
+    timeout), its requests end with an error naming the group, and the engine takes no more
+    work (as after a lost device: the worker is then replaced)."""
+    lead, killed = run_ranks(kill_a_follower_mid_stream, 2, tmp_path, str(dense_dirs["tied"]), str(tmp_path),
+                             killed=(1,))
+    assert killed is None
+    for reason, error in lead["finals"]:
+        assert reason == lead["error_reason"]
+        assert "tensor-parallel group failed" in error
+    assert "tensor-parallel group failed" in lead["failure"]
+    assert lead["refused"] is not None and "unusable" in lead["refused"]
+    assert lead["elapsed"] < 20  # the collective timeout is 60 s: this was no timeout

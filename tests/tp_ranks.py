@@ -4,6 +4,9 @@ jobs the tensor-parallel tests run there (each rank loads only its shard of the 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -14,9 +17,11 @@ RANK_TIMEOUT_S = 240  # a whole job on one rank, start-up included (two shared c
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def run_ranks(job: Callable[..., Any], world_size: int, workdir: Path, *args: Any) -> list[Any]:
+def run_ranks(job: Callable[..., Any], world_size: int, workdir: Path, *args: Any,
+              killed: tuple[int, ...] = ()) -> list[Any]:
     """``job(parallel, *args)`` on ``world_size`` spawned ranks → each rank's return value, in
-    rank order. A rank that fails, or outlives ``RANK_TIMEOUT_S``, fails the call."""
+    rank order (None for the ``killed`` ranks, which must have died of SIGKILL). A rank that
+    fails, or outlives ``RANK_TIMEOUT_S``, fails the call."""
     ctx = multiprocessing.get_context("spawn")
     store = workdir / "tp-store"
     procs = [ctx.Process(target=_rank_main, args=(job, rank, world_size, str(store), str(workdir), args))
@@ -33,11 +38,12 @@ def run_ranks(job: Callable[..., Any], world_size: int, workdir: Path, *args: An
             if p.is_alive():
                 p.kill()
                 p.join()
-    errors = [workdir / f"rank{r}.err" for r in range(world_size)]
+    errors = [workdir / f"rank{r}.err" for r in range(world_size) if r not in killed]
     failed = [e.read_text() for e in errors if e.exists()]
     assert not failed, "\n".join(failed)
-    assert [p.exitcode for p in procs] == [0] * world_size
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL if r in killed else 0 for r in range(world_size)]
+    return [None if r in killed else torch.load(workdir / f"rank{r}.pt", weights_only=False)
+            for r in range(world_size)]
 
 
 def _rank_main(job, rank: int, world_size: int, store: str, workdir: str, args: tuple) -> None:
@@ -89,3 +95,40 @@ def forward_and_generate(parallel, checkpoint: str, prompts: list[list[int]], lo
     out.update(tokens=[r.output_token_ids for r in results], preemptions=sum(r.num_preemptions for r in results),
                pages_used=stats.num_pages_used, prefix_hit_rate=stats.prefix_cache_hit_rate)
     return out
+
+
+def kill_a_follower_mid_stream(parallel, checkpoint: str, workdir: str) -> dict[str, Any]:
+    """Rank 1 follows until rank 0, a few tokens into two long requests, SIGKILLs it; rank 0
+    then steps on → what its engine reported, and how long that took."""
+    from qil_worker import Engine, FinishReason, Qwen3
+    from qil_worker.engine.config import EngineConfig
+    from qil_worker.engine.runner.follower import follow
+    from qil_worker.errors import DeviceFailedError
+
+    model = Qwen3.from_directory(checkpoint, dtype="float32", parallel=parallel)
+    config = EngineConfig(num_pages=64, page_size=4)
+    pid_file = Path(workdir) / "follower.pid"
+    if parallel.rank > 0:
+        pid_file.write_text(str(os.getpid()))
+        follow(model, config)
+        raise AssertionError("the follower outlived its SIGKILL")
+    engine = Engine(model, config)
+    ids = [engine.submit([5, 6, 7], max_new_tokens=200), engine.submit([9, 8], max_new_tokens=200)]
+    tokens = 0
+    while tokens < 6:  # a stream under way (the follower wrote its pid before the first step)
+        tokens += sum(e.token_id is not None for e in engine.step())
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    start = time.monotonic()
+    finals = {}
+    refused = None
+    for _ in range(1000):
+        try:
+            events = engine.step()
+        except DeviceFailedError as exc:
+            refused = str(exc)
+            break
+        finals.update({e.request_id: (e.finish_reason, e.error) for e in events if e.finished})
+    elapsed = time.monotonic() - start
+    engine.close()
+    return {"finals": [finals.get(i) for i in ids], "refused": refused, "elapsed": elapsed,
+            "failure": engine.device_failure, "error_reason": FinishReason.ERROR, "tokens": tokens}

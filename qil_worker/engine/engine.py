@@ -36,6 +36,7 @@ from qil_worker.errors import (
     UnknownRequestError,
 )
 from qil_worker.model import Qwen3
+from qil_worker.parallel.state import RankFailedError
 from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.text.output import TextOutput
@@ -59,7 +60,9 @@ STICKY_CUDA_ERRORS = (
 
 def device_unusable(exc: BaseException) -> bool:
     """Whether a failed step left the device unusable (torch raises ``AcceleratorError``, older
-    versions a RuntimeError, with CUDA's message)."""
+    versions a RuntimeError, with CUDA's message), or the tensor-parallel group it runs on."""
+    if isinstance(exc, RankFailedError):
+        return True
     if isinstance(exc, torch.cuda.OutOfMemoryError) or not isinstance(exc, RuntimeError):
         return False
     message = str(exc)

@@ -17,6 +17,20 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class RankFailedError(RuntimeError):
+    """A collective of the tensor-parallel group failed (a rank died, or one timed out): no
+    later step of the group can succeed, so the engine treats it as a lost device."""
+
+
+def collective(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, a ``torch.distributed`` collective; its failure raised as
+    ``RankFailedError``."""
+    try:
+        return call(*args, **kwargs)
+    except RuntimeError as exc:
+        raise RankFailedError(f"tensor-parallel group failed: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class ParallelState:
     """``rank`` of ``world_size`` ranks joined in ``group`` (a ``torch.distributed`` process
@@ -42,7 +56,7 @@ class ParallelState:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (the partial outputs of a row-parallel projection)."""
-        dist.all_reduce(x, group=self.group)
+        collective(dist.all_reduce, x, group=self.group)
         return x
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +64,7 @@ class ParallelState:
         vocab-parallel LM head's logits)."""
         rows, cols = x.shape
         gathered = x.new_empty((self.world_size * rows, cols))
-        _all_gather(gathered, x.contiguous(), group=self.group)
+        collective(_all_gather, gathered, x.contiguous(), group=self.group)
         return gathered.view(self.world_size, rows, cols).permute(1, 0, 2).reshape(rows, -1)
 
 

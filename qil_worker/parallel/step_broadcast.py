@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from qil_worker.attention.backend import StepLayout
-from qil_worker.parallel.state import ParallelState
+from qil_worker.parallel.state import ParallelState, collective
 
 if TYPE_CHECKING:
     from qil_worker.model import Qwen3
@@ -75,7 +75,7 @@ class StepSender:
     def _header(self, *values: int) -> None:
         header = torch.zeros(HEADER, dtype=torch.long)
         header[: len(values)] = torch.tensor(values, dtype=torch.long)
-        dist.broadcast(header, 0, group=self.parallel.control_group)
+        collective(dist.broadcast, header, 0, group=self.parallel.control_group)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, logit_indices: torch.Tensor,
              layout: StepLayout) -> None:
@@ -89,13 +89,13 @@ class StepSender:
         )
         payload = torch.cat([host.to(self.device), layout.tables.reshape(-1), input_ids, positions,
                              layout.slot_mapping, logit_indices])
-        dist.broadcast(payload, 0, group=self.parallel.group)
+        collective(dist.broadcast, payload, 0, group=self.parallel.group)
 
     def copy_pages(self, sources: list[int], targets: list[int]) -> None:
         """Send a copy of KV pages (each follower copies its own heads' K and V)."""
         self._header(COPY_PAGES, 0, 0, 0, 0, len(sources))
         payload = torch.tensor(sources + targets, dtype=torch.long, device=self.device)
-        dist.broadcast(payload, 0, group=self.parallel.group)
+        collective(dist.broadcast, payload, 0, group=self.parallel.group)
 
     def stop(self) -> None:
         """Tell the followers that no step follows."""
@@ -107,18 +107,18 @@ def receive(parallel: ParallelState, device: torch.device, page_size: int, query
     """A follower's next message from rank 0: (``STEP``, the step), (``COPY_PAGES``, (sources,
     targets)) or (``STOP``, None)."""
     header = torch.empty(HEADER, dtype=torch.long)
-    dist.broadcast(header, 0, group=parallel.control_group)
+    collective(dist.broadcast, header, 0, group=parallel.control_group)
     kind, n_chunks, n_groups, tokens, logits, width = header.tolist()
     if kind == STOP:
         return STOP, None
     if kind == COPY_PAGES:
         payload = torch.empty(2 * width, dtype=torch.long, device=device)
-        dist.broadcast(payload, 0, group=parallel.group)
+        collective(dist.broadcast, payload, 0, group=parallel.group)
         pages = payload.tolist()
         return COPY_PAGES, (pages[:width], pages[width:])
     host = n_groups + 3 * n_chunks
     payload = torch.empty(host + n_chunks * width + 3 * tokens + logits, dtype=torch.long, device=device)
-    dist.broadcast(payload, 0, group=parallel.group)
+    collective(dist.broadcast, payload, 0, group=parallel.group)
     counts = payload[:host].tolist()
     group_sizes, starts = counts[:n_groups], counts[n_groups : n_groups + n_chunks]
     lengths, num_pages = counts[n_groups + n_chunks : n_groups + 2 * n_chunks], counts[n_groups + 2 * n_chunks :]

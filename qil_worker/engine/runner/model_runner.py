@@ -29,6 +29,7 @@ from qil_worker.engine.sampler import DeviceSample, Sampler
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.kv import KVCache
 from qil_worker.model import Qwen3
+from qil_worker.parallel.state import RankFailedError
 from qil_worker.parallel.step_broadcast import StepSender
 
 log = logging.getLogger(__name__)
@@ -174,8 +175,11 @@ class ModelRunner:
     def close(self) -> None:
         """Drop the graphs (they hold the KV tensors' addresses) and the KV tensors; release
         the tensor-parallel followers."""
-        if self.sender is not None:
-            self.sender.stop()
-            self.sender = None
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            try:
+                sender.stop()
+            except RankFailedError:  # the group is gone already: no follower is left to stop
+                log.warning("tensor-parallel followers not stopped: the group has failed")
         self.decode_graphs = self.step_graphs = None
         self.kv.k = self.kv.v = torch.empty(0)
