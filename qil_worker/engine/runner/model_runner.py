@@ -21,7 +21,7 @@ from qil_worker.attention.choice import choose_backend
 from qil_worker.engine import prompt_logprobs, samples
 from qil_worker.engine.config import EngineConfig
 from qil_worker.engine.request import Request
-from qil_worker.engine.runner.batch import build_step_inputs
+from qil_worker.engine.runner.batch import StepInputs, build_step_inputs
 from qil_worker.engine.runner.decode_graphs import DecodeGraphs
 from qil_worker.engine.runner.graph_capture import GraphCapture
 from qil_worker.engine.runner.step_graphs import StepGraphs
@@ -156,15 +156,27 @@ class ModelRunner:
             computed = inputs.chunks
             requests = [c.request for c in inputs.sampled]
             self.sampler.prepare(requests, vocab)
-            if self.sender is not None:
-                self.sender.step(inputs.input_ids, inputs.positions, inputs.logit_indices, inputs.layout)
-            logits = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv, inputs.logit_indices)
+            if self.sender is None:
+                logits = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv, inputs.logit_indices)
+            else:
+                logits = self._lead(inputs)
             if inputs.prompt_rows:  # the rows after the sampled ones score prompt tokens
                 prompt_logprobs.score(logits[len(requests):], inputs.prompt_rows)
                 logits = logits[: len(requests)]
         forks = samples.forking(requests)  # n-requests whose prompt is computed now
         logits, requests = samples.with_fork_rows(logits, requests, forks)
         return LaunchedStep(self.sampler.sample_on_device(logits, requests), computed, requests, forks)
+
+    def _lead(self, inputs: StepInputs) -> torch.Tensor:
+        """Send the step to the followers and run it; a forward that fails here left them
+        inside it, out of step with this rank: the group is lost (``RankFailedError``)."""
+        self.sender.step(inputs.input_ids, inputs.positions, inputs.logit_indices, inputs.layout)
+        try:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv, inputs.logit_indices)
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            raise RankFailedError(f"rank 0's forward failed, its followers are out of step: {exc}") from exc
 
     def copy_pages(self, sources: list[int], targets: list[int]) -> None:
         """``KVCache.copy_pages`` on every rank (forked samples, ``engine.samples``)."""
