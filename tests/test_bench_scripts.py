@@ -118,3 +118,13 @@ def test_throughput_runs_a_random_moe_shape_built_in_memory():
     assert float(row.split()[1]) > 0  # output tok/s
     refused = run_script("bench_throughput.py", "--quick", "--random-shape", "moe-quick")
     assert refused.returncode == 2 and "--random-shape builds no checkpoint" in refused.stderr
+
+
+def test_tp_benchmark_reports_each_tp_size_and_its_ranks(tmp_path):
+    out = run_script("bench_tp.py", "--quick", "--threads", "1", "--new", "4", "--batch", "2",
+                     "--model-dir", str(tmp_path / "model"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    tp1 = next(line for line in out.stdout.splitlines() if line.startswith("TP 1 "))
+    tp2 = next(line for line in out.stdout.splitlines() if line.startswith("TP 2 "))
+    assert "rank 0:" in tp1 and "rank 1:" not in tp1
+    assert "rank 1:" in tp2 and "all-reduce" in tp2 and float(tp2.split(": ")[1].split()[0]) > 0
