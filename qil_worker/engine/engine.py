@@ -38,6 +38,7 @@ from qil_worker.errors import (
     UnknownRequestError,
 )
 from qil_worker.model import Qwen3
+from qil_worker.parallel.state import RankFailedError
 from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.text.output import TextOutput
@@ -62,7 +63,9 @@ STICKY_CUDA_ERRORS = (
 
 def device_unusable(exc: BaseException) -> bool:
     """Whether a failed step left the device unusable (torch raises ``AcceleratorError``, older
-    versions a RuntimeError, with CUDA's message)."""
+    versions a RuntimeError, with CUDA's message), or the tensor-parallel group it runs on."""
+    if isinstance(exc, RankFailedError):
+        return True
     if isinstance(exc, torch.cuda.OutOfMemoryError) or not isinstance(exc, RuntimeError):
         return False
     message = str(exc)
@@ -200,6 +203,11 @@ class Engine:
         token_ids = prompt_spec.token_ids
         pooling = spec.pooling
         if pooling is not None:
+            if self.runner.leads_followers:
+                raise FeatureUnavailableError(
+                    "embeddings and scores are not served with tensor parallelism yet (serve them at "
+                    "--tensor-parallel-size 1)", field="pooling",
+                )
             if pooling.kind == "score" and pooling.yes_token_id is None:  # the tokenizer's yes and no
                 yes, no = answer_token_ids(self.tokenizer)
                 pooling = dataclasses.replace(pooling, yes_token_id=yes, no_token_id=no)
@@ -380,7 +388,7 @@ class Engine:
         requests, forks = launched.requests, launched.forks
         self.scheduler.commit(launched.computed)
         for row, group in forks:  # before any token is accepted: a sample that ends holds the pages
-            samples.fork(requests[row], group, self.scheduler, self.pool, self.runner.kv)
+            samples.fork(requests[row], group, self.scheduler, self.pool, self.runner)
         # pooled requests end when their answers are read: before the next schedule
         stays = self.overlap and stays_in_flight(requests, forks) and launched.pooled is None
         return InFlightStep(chunks, requests, launched.sample, stays, pooled=launched.pooled)

@@ -10,10 +10,11 @@ from qil_worker.model import Qwen3
 
 
 def bytes_per_page(model: Qwen3, page_size: int) -> int:
-    """K and V of ``page_size`` tokens in every layer."""
+    """K and V of ``page_size`` tokens in every layer (of this rank's KV heads, under tensor
+    parallelism)."""
     c = model.config
     element = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * c.num_hidden_layers * page_size * c.num_key_value_heads * c.head_dim * element
+    return 2 * c.num_hidden_layers * page_size * model.heads.kv_heads * c.head_dim * element
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from qil_worker.engine.request import Request
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.kv import KVCache, PagePool, PageTable
 from qil_worker.model import Qwen3
+from qil_worker.parallel.step_broadcast import StepSender
 
 
 class ForwardProbe:
@@ -32,15 +33,18 @@ class ForwardProbe:
         self.page_size = page_size
         if not isinstance(attention, AttentionBackend):
             attention, _ = choose_backend(
-                attention, model.device, model.dtype, page_size, c.num_attention_heads, c.num_key_value_heads,
+                attention, model.device, model.dtype, page_size, model.heads.q_heads, model.heads.kv_heads,
                 c.head_dim,
             )
         self.attention = attention
         self.kv = KVCache(
-            c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
+            c.num_hidden_layers, num_pages, page_size, model.heads.kv_heads, c.head_dim,
             model.dtype, model.device, debug=True,
         )
         self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
+        # rank 0 of a tensor-parallel group: its forwards are the followers' too (its engine's
+        # ``close`` releases them)
+        self.sender = StepSender.of(model)
 
     def sequence(self, token_ids: Sequence[int]) -> Request:
         """A sequence whose tokens are all known up front; compute it with ``forward``."""
@@ -64,11 +68,13 @@ class ForwardProbe:
                 raise RuntimeError("probe page pool exhausted")
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
         batch = build_step_inputs(
-            chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
+            chunks, self.attention, self.page_size, self.model.heads.query_groups, self.model.device,
         )
         self.kv.check_reads(batch.attention.slot_mapping, batch.attention.reads())
         total = sum(c.num_tokens for c in batch.chunks)
         every = torch.arange(total, device=self.model.device)
+        if self.sender is not None:
+            self.sender.step(batch.input_ids, batch.positions, every, batch.layout)
         logits = self.model(batch.input_ids, batch.positions, batch.attention, self.kv, every).float()
         by_chunk = dict(zip(map(id, batch.chunks), logits.split([c.num_tokens for c in batch.chunks])))
         for c in chunks:

@@ -30,7 +30,7 @@ import copy
 import hashlib
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -43,7 +43,6 @@ from qil_worker.kv.page_table import PageTable, pages_for
 if TYPE_CHECKING:
     from qil_worker.engine.outputs import Event
     from qil_worker.engine.scheduler import Scheduler
-    from qil_worker.kv.cache import KVCache
     from qil_worker.kv.page_pool import PagePool
 
 
@@ -86,10 +85,17 @@ def forking(requests: list["Request"]) -> list[tuple[int, list["Request"]]]:
     return [(row, unforked(r)) for row, r in enumerate(requests) if r.group is not None and unforked(r)]
 
 
+class PageCopier(Protocol):
+    """What copies KV pages: ``KVCache``, or the model runner that has every rank copy."""
+
+    def copy_pages(self, sources: list[int], targets: list[int]) -> None: ...
+
+
 def fork(
-    first: "Request", samples: list["Request"], scheduler: "Scheduler", pool: "PagePool", kv: "KVCache"
+    first: "Request", samples: list["Request"], scheduler: "Scheduler", pool: "PagePool", kv: "PageCopier"
 ) -> None:
-    """Start ``samples`` from ``first``'s computed prompt (see the module docstring). A sample
+    """Start ``samples`` from ``first``'s computed prompt (see the module docstring); ``kv``
+    copies the partial pages (the model runner: on every tensor-parallel rank). A sample
     that gets no page for its copy of the partial page (the pool is short) is queued instead,
     to compute the prompt itself when it is admitted, as after a preemption."""
     first.group.unforked = []

@@ -19,6 +19,7 @@ from torch import nn
 from qil_worker.config import Qwen3Config
 from qil_worker.errors import ConfigError
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
+from qil_worker.parallel import SINGLE, ParallelState, check_tp_size
 from qil_worker.quantization import resolve_quantize
 
 # The model's start-up lines keep the logger they have always had (tests and log filters read it).
@@ -34,6 +35,7 @@ def build_model(
     fused_projections: bool | None = None,
     fp8: str = "auto",
     quantize: str | None = None,
+    parallel: ParallelState = SINGLE,
 ) -> nn.Module:
     """Load a Hugging Face Qwen3 or Qwen3-MoE directory strictly (see ``loader.load_weights``)
     into a new ``model_class`` (``Qwen3``).
@@ -47,7 +49,10 @@ def build_model(
     projections only, experts are always dequantized), else dequantizes to ``dtype`` at load;
     ``"dequantize"`` always does. ``quantize``: None (or "none") keeps the weights in the compute
     dtype; "int8" quantizes them at load (``Qwen3.quantize_weights``), before packing — an FP8
-    checkpoint is then dequantized first, whatever ``fp8`` says.
+    checkpoint is then dequantized first, whatever ``fp8`` says. ``parallel``: this rank's place
+    in a tensor-parallel group; the model is refused (``ConfigError`` naming the fields and the
+    sizes that work) unless its shapes split over ``parallel.world_size``, and the rank loads only
+    its slices of the weights.
     """
     from qil_worker.model import fp8_linear
     from qil_worker.model.loader import load_weights, stored_dtype
@@ -56,6 +61,7 @@ def build_model(
         raise ConfigError(f"fp8: expected 'auto' or 'dequantize', got {fp8!r}")
 
     config = Qwen3Config.from_directory(path)
+    check_tp_size(config, parallel.world_size)
     quantize = resolve_quantize(quantize)
     device = resolve_device(device)
     checkpoint_dtype = config.torch_dtype
@@ -63,7 +69,7 @@ def build_model(
         checkpoint_dtype = stored_dtype(Path(path))
     model = model_class(
         config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
-        fused_projections=fused_projections,
+        fused_projections=fused_projections, parallel=parallel,
     )
     keep_fp8 = config.quantization is not None and fp8 == "auto" and quantize is None
     kernels = fp8_linear.cuda_kernels(device) if keep_fp8 else []

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qil_worker.model.linear import Linear, pack_all
+from qil_worker.parallel.shards import Shard
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,6 +129,14 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_proj.weight.data, self.up_proj.weight.data
         return {prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
                 prefix + "down_proj.weight": self.down_proj.weight.data}
+
+    def weight_shards(self, prefix: str, rank: int, world_size: int) -> dict[str, Shard]:
+        """This rank's slices of the checkpoint's projections when ``intermediate`` is its share
+        of ``world_size`` (gate and up column-parallel, down row-parallel)."""
+        i = self.intermediate
+        rows = Shard(0, rank * i, (rank + 1) * i, i * world_size)
+        return {prefix + "gate_proj.weight": rows, prefix + "up_proj.weight": rows,
+                prefix + "down_proj.weight": rows._replace(dim=1)}
 
     def pack_weights(self) -> bool:
         """Pack the projections for oneDNN (see ``linear.py``), all or none."""

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from qil_worker.errors import WeightError
 from qil_worker.model import fp8
 from qil_worker.model.fp8 import TensorHeader
+from qil_worker.parallel.shards import Shard
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +105,22 @@ def with_model_prefix(found: dict[str, TensorHeader]) -> tuple[dict[str, TensorH
 
 def check_weights(
     targets: dict[str, torch.Tensor], found: dict[str, TensorHeader], tied: bool,
-    fp8_problems: Sequence[str] = (),
+    fp8_problems: Sequence[str] = (), shards: dict[str, Shard] | None = None,
 ) -> None:
     """Raise one ``WeightError`` listing every missing, unknown and mis-shaped tensor, and the
-    FP8 layout's ``fp8_problems`` (``fp8.check_layout``, which owns every ``weight_scale_inv``)."""
+    FP8 layout's ``fp8_problems`` (``fp8.check_layout``, which owns every ``weight_scale_inv``).
+    ``shards``: the tensors of which a target holds a slice (tensor parallelism), checked
+    against their whole shape."""
     problems: list[str] = []
+    shards = shards or {}
     for name, target in targets.items():
+        shape = tuple(target.shape)
+        if name in shards:
+            shape = shards[name].full_shape(shape)
         if name not in found:
-            problems.append(f"missing: {name} (expected shape {tuple(target.shape)})")
-        elif found[name][1] != tuple(target.shape):
-            problems.append(
-                f"mis-shaped: {name} expected {tuple(target.shape)}, got {found[name][1]}"
-            )
+            problems.append(f"missing: {name} (expected shape {shape})")
+        elif found[name][1] != shape:
+            problems.append(f"mis-shaped: {name} expected {shape}, got {found[name][1]}")
     for name in sorted(found):
         if name not in targets and not (tied and name == TIED_HEAD) and not name.endswith(fp8.SCALE_SUFFIX):
             problems.append(f"unknown: {name} (shape {found[name][1]})")
@@ -136,15 +141,19 @@ def load_weights(
     ``keep_fp8``: a dict that receives each FP8 weight as (float8_e4m3fn weight, float32 scale
     grid) on the model's device, by checkpoint name, instead of its dequantization; those
     weights' parameters are left unwritten for the caller (``fp8_linear.use_fp8``). MoE experts
-    are dequantized all the same: no FP8 kernel runs them."""
+    are dequantized all the same: no FP8 kernel runs them.
+
+    Under tensor parallelism (``model.weight_shards()``) only each split tensor's slice is read
+    from the file (``get_slice``): no rank reads the whole model."""
     targets = model.weight_targets()
+    shards = model.weight_shards()
     files = shard_files(directory)
     found, stored = with_model_prefix(read_headers(files))
     quantization = model.config.quantization
     quantized = fp8.quantized_weights(targets, quantization)
     block = quantization.block_size if quantization is not None else (0, 0)
     check_weights(targets, found, tied=model.config.tie_word_embeddings,
-                  fp8_problems=fp8.check_layout(quantized, found, block))
+                  fp8_problems=fp8.check_layout(quantized, found, block), shards=shards)
     scales = fp8.read_scales(found, quantized, {prefixed: name for name, prefixed in stored.items()})
     with torch.no_grad():
         for i, path in enumerate(files, 1):
@@ -155,7 +164,10 @@ def load_weights(
                     target = targets.get(name)
                     if target is None:  # a scale, or a tied checkpoint's own lm_head copy
                         continue
-                    if name not in quantized:
+                    shard = shards.get(name)
+                    if shard is not None:  # (FP8 checkpoints are not split: ``check_tp_size``)
+                        target.copy_(f.get_slice(stored_name)[shard.index()])
+                    elif name not in quantized:
                         target.copy_(f.get_tensor(stored_name))
                     elif keep_fp8 is not None and not fp8.EXPERT_LINEAR.fullmatch(name):
                         scale = scales[fp8.scale_name(name)]
@@ -163,18 +175,19 @@ def load_weights(
                     else:
                         fp8.dequantize_into(target, f.get_tensor(stored_name), scales[fp8.scale_name(name)], block)
     if model.config.tie_word_embeddings and TIED_HEAD in found:
-        check_tied_copy(found)
+        check_tied_copy(found, shards.get(EMBEDDING))
 
 
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def check_tied_copy(found: dict[str, TensorHeader]) -> None:
+def check_tied_copy(found: dict[str, TensorHeader], shard: Shard | None = None) -> None:
     """A tied checkpoint may carry its LM head too, but only as a copy of the embedding:
-    transformers would use a different one untied, so ignoring it would change every logit."""
+    transformers would use a different one untied, so ignoring it would change every logit.
+    ``shard``: compare only this rank's rows (tensor parallelism)."""
     def read(name: str) -> torch.Tensor:
         with safe_open(str(found[name][0]), framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(name) if shard is None else f.get_slice(name)[shard.index()]
 
     if not torch.equal(read(TIED_HEAD), read(EMBEDDING)):
         raise WeightError(

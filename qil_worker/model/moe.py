@@ -20,6 +20,7 @@ from torch import nn
 from qil_worker.config import Qwen3Config
 from qil_worker.model.expert_linear import ExpertGroups, ExpertLinear, grouped_mm_supported
 from qil_worker.model.linear import Linear, pack_all
+from qil_worker.parallel.shards import Shard
 
 
 class Router(Linear):
@@ -43,14 +44,19 @@ class Router(Linear):
 
 
 class SparseMoeBlock(nn.Module):
-    """``sum_k w_k * expert_k(x)`` over each token's top-k experts."""
+    """``sum_k w_k * expert_k(x)`` over each token's top-k experts.
 
-    def __init__(self, config: Qwen3Config, dtype: torch.dtype, device: torch.device, grouped: bool = False) -> None:
+    Under tensor parallelism every rank routes alike (the router is whole on each) and holds
+    its share of every expert's width, so its output is a partial sum the layer all-reduces."""
+
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype, device: torch.device, grouped: bool = False,
+                 world_size: int = 1) -> None:
         """``grouped``: the device path (``torch._grouped_mm``, no host sync) where it runs
-        right; the default of CUDA models (``Qwen3``'s fused wiring), else the per-expert loop."""
+        right; the default of CUDA models (``Qwen3``'s fused wiring), else the per-expert loop.
+        ``world_size``: tensor-parallel ranks sharing each expert's ``moe_intermediate_size``."""
         super().__init__()
         c = config
-        self.top_k, self.intermediate = c.num_experts_per_tok, c.moe_intermediate_size
+        self.top_k, self.intermediate = c.num_experts_per_tok, c.moe_intermediate_size // world_size
         grouped = grouped and grouped_mm_supported(device, dtype)
         self.gate = Router(c.num_experts, c.hidden_size, c.num_experts_per_tok, c.norm_topk_prob, dtype, device)
         self.gate_up = ExpertLinear(c.num_experts, 2 * self.intermediate, c.hidden_size, dtype, device, grouped)
@@ -109,6 +115,17 @@ class SparseMoeBlock(nn.Module):
             targets[expert + "up_proj.weight"] = gate_up[e, i:]
             targets[expert + "down_proj.weight"] = down[e]
         return targets
+
+    def weight_shards(self, prefix: str, rank: int, world_size: int) -> dict[str, Shard]:
+        """This rank's slices of every expert's projections (the router is whole on each)."""
+        i = self.intermediate
+        rows = Shard(0, rank * i, (rank + 1) * i, i * world_size)
+        shards = {}
+        for e in range(self.gate_up.num_experts):
+            expert = f"{prefix}experts.{e}."
+            shards[expert + "gate_proj.weight"] = shards[expert + "up_proj.weight"] = rows
+            shards[expert + "down_proj.weight"] = rows._replace(dim=1)
+        return shards
 
     def pack_weights(self) -> bool:
         """Pack the router and each expert for oneDNN (see ``expert_linear.py``; a grouped

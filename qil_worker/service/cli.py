@@ -56,6 +56,9 @@ def _add_model_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto = the checkpoint's (default: bfloat16 on CUDA, float32 otherwise)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads in the worker (default: torch's, one per core)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="split the model over N rank processes (gloo on CPU, NCCL on CUDA; --threads "
+                   "each); needs an explicit --num-pages")
     p.add_argument(
         "--quantize", choices=QUANTIZE_CHOICES, default="none",
         help="store the linear weights quantized at load: int8 = per-output-channel int8, "
@@ -257,6 +260,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         tokenizer=args.tokenizer,
         use_tokenizer=not args.no_tokenizer,
         structured_warmup=not args.no_structured_warmup,
+        tensor_parallel_size=args.tensor_parallel_size,
         log_level=args.log_level.upper(),
         log_format=args.log_format,
     )

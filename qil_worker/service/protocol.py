@@ -80,6 +80,7 @@ class WorkerConfig:
     fraction of the free device memory (``kv_memory_fraction``). ``tokenizer``: None takes the
     model directory's when it has one; ``use_tokenizer`` False serves token ids only.
     ``structured_warmup``: build the grammar library's tokenizer tables before Ready.
+    ``tensor_parallel_size``: the worker and N-1 rank processes it spawns, each with its shard.
     """
 
     model: str | None = None  # None: the embedded demo model
@@ -93,6 +94,7 @@ class WorkerConfig:
     tokenizer: str | None = None
     use_tokenizer: bool = True
     structured_warmup: bool = True
+    tensor_parallel_size: int = 1  # ranks the model is split over (``qil_worker.parallel``)
     log_level: str = "INFO"
     log_format: str = "text"  # or "json"
 

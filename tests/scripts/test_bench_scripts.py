@@ -132,3 +132,13 @@ def test_embedding_benchmark_prints_both_systems_and_agrees_with_transformers():
     assert "ratio qil / transformers (median of rounds):" in text
     cosine = float(text.rsplit("smallest cosine between the systems' embeddings:", 1)[1].split()[0])
     assert cosine > 0.999  # bf16 both sides: the same pooling of the same model
+
+
+def test_tp_benchmark_reports_each_tp_size_and_its_ranks(tmp_path):
+    out = run_script("bench_tp.py", "--quick", "--threads", "1", "--new", "4", "--batch", "2",
+                     "--model-dir", str(tmp_path / "model"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    tp1 = next(line for line in out.stdout.splitlines() if line.startswith("TP 1 "))
+    tp2 = next(line for line in out.stdout.splitlines() if line.startswith("TP 2 "))
+    assert "rank 0:" in tp1 and "rank 1:" not in tp1
+    assert "rank 1:" in tp2 and "all-reduce" in tp2 and float(tp2.split(": ")[1].split()[0]) > 0

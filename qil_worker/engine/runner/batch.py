@@ -9,8 +9,9 @@ metadata. Small index tensors are built on the host and moved once; the larger o
 masks) are derived on the device from them.
 
 Logits are computed at ``logit_indices`` only: the sampled rows first (one per sampled chunk),
-then the prompt positions of requests that asked for prompt logprobs (``prompt_logprobs``), so
-one LM-head call covers both and a step without the latter computes exactly the sampled rows.
+then the prompt positions of requests that asked for prompt logprobs (``prompt_logprobs``),
+then the last tokens of pooled scores, so one LM-head call covers them all and a step without
+the latter two computes exactly the sampled rows.
 A pooled request's last prompt token (an embedding, a score) is no logit row: its flat index
 is in ``pool_indices``, and the runner reads its answer off the hidden state there.
 """
@@ -43,6 +44,8 @@ class StepInputs:
     prompt_rows: list[PromptRows]  # the P rows after the sampled ones, in order
     pooled: list[ScheduledChunk]  # chunks that end a pooled request's prompt, in row order
     pool_indices: torch.Tensor | None  # [len(pooled)] their last tokens' flat indices (None: no such chunk)
+    num_score_rows: int  # logit rows after the prompt rows: the pooled scores' last tokens, in order
+    layout: StepLayout  # what ``attention`` was built from (sent to tensor-parallel followers)
 
 
 def build_step_inputs(
@@ -81,6 +84,8 @@ def build_step_inputs(
         prompt_rows=tokens.prompt_rows,
         pooled=tokens.pooled,
         pool_indices=to_device(tokens.pool_indices, device, torch.long) if tokens.pooled else None,
+        num_score_rows=tokens.num_score_rows,
+        layout=layout,
     )
 
 
@@ -96,6 +101,7 @@ class StepTokens:
     prompt_rows: list[PromptRows]
     pooled: list[ScheduledChunk]
     pool_indices: list[int]
+    num_score_rows: int
     # flat indices whose input is a token still in flight, and that token's row in its step
     in_flight_indices: list[int]
     in_flight_sources: list[int]
@@ -114,6 +120,7 @@ def _one_token_each(ordered: list[ScheduledChunk]) -> StepTokens:
         prompt_rows=[],
         pooled=[],
         pool_indices=[],
+        num_score_rows=0,
         in_flight_indices=in_flight_indices,
         in_flight_sources=in_flight_sources,
     )
@@ -129,6 +136,7 @@ def flat_tokens(ordered: list[ScheduledChunk]) -> StepTokens:
     prompt_rows: list[PromptRows] = []
     pooled: list[ScheduledChunk] = []
     pool_indices: list[int] = []
+    score_indices: list[int] = []
     in_flight_indices: list[int] = []
     in_flight_sources: list[int] = []
     for chunk in ordered:
@@ -151,16 +159,19 @@ def flat_tokens(ordered: list[ScheduledChunk]) -> StepTokens:
         elif chunk.pools:
             pool_indices.append(len(input_ids) - 1)
             pooled.append(chunk)
+            if chunk.request.pooling.kind == "score":  # its answer reads two of its logits
+                score_indices.append(len(input_ids) - 1)
     lengths = host_tensor([c.num_tokens for c in ordered], torch.long)
     return StepTokens(
         input_ids=input_ids,
         positions=positions,
         rows=torch.repeat_interleave(torch.arange(len(ordered)), lengths),
-        logit_indices=sample_indices + prompt_indices,
+        logit_indices=sample_indices + prompt_indices + score_indices,
         sampled=sampled,
         prompt_rows=prompt_rows,
         pooled=pooled,
         pool_indices=pool_indices,
+        num_score_rows=len(score_indices),
         in_flight_indices=in_flight_indices,
         in_flight_sources=in_flight_sources,
     )

@@ -143,7 +143,7 @@ class DecodeGraphs:
         """The graph's contents: metadata from the static buffers, then the decoder stack."""
         batch, second = shape
         positions = self._positions[:batch]
-        query_groups = self.model.config.num_query_groups
+        query_groups = self.model.heads.query_groups
         if self.attention.packs_keys:
             # no row has more keys than all rows together: a bound on the longest that is tighter
             # than the largest context for small batches

@@ -21,7 +21,7 @@ from qil_worker.attention.choice import choose_backend
 from qil_worker.engine import prompt_logprobs, samples
 from qil_worker.engine.config import EngineConfig
 from qil_worker.engine.request import Request
-from qil_worker.engine.runner.batch import build_step_inputs
+from qil_worker.engine.runner.batch import StepInputs, build_step_inputs
 from qil_worker.engine.runner.decode_graphs import DecodeGraphs
 from qil_worker.engine.runner.graph_capture import GraphCapture
 from qil_worker.engine.runner.pooling import PooledAnswers, pooled_answers
@@ -30,6 +30,8 @@ from qil_worker.engine.sampler import DeviceSample, Sampler
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.kv import KVCache
 from qil_worker.model import Qwen3
+from qil_worker.parallel.state import RankFailedError
+from qil_worker.parallel.step_broadcast import StepSender
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +62,21 @@ class LaunchedStep:
     pooled: PooledAnswers | None = None
 
 
+def kv_cache(model: Qwen3, config: EngineConfig, scratch: int = 0) -> KVCache:
+    """The KV tensors of ``config``'s pool for ``model``'s (this rank's) KV heads."""
+    heads = model.heads
+    return KVCache(
+        model.config.num_hidden_layers, config.num_pages, config.page_size, heads.kv_heads, heads.head_dim,
+        model.dtype, model.device, debug=config.debug, scratch_pages=scratch,
+    )
+
+
 class ModelRunner:
     """Runs the forward of every step of one engine, and samples its tokens on the device."""
 
     def __init__(self, model: Qwen3, config: EngineConfig, attention: AttentionBackend | None = None) -> None:
         """``attention``: a backend object instead of ``config.attention``'s name (tests)."""
-        c = model.config
+        c, heads = model.config, model.heads  # (this rank's heads under tensor parallelism)
         self.model = model
         self.page_size = config.page_size
         if config.cuda_graphs and config.debug and model.device.type == "cuda":
@@ -78,16 +89,15 @@ class ModelRunner:
             self.attention, why_not = attention, None
         else:
             self.attention, why_not = choose_backend(
-                config.attention, model.device, model.dtype, config.page_size, c.num_attention_heads,
-                c.num_key_value_heads, c.head_dim,
+                config.attention, model.device, model.dtype, config.page_size, heads.q_heads,
+                heads.kv_heads, heads.head_dim,
             )
         if why_not and model.device.type == "cuda":
             log.info("attention: %s (not the paged varlen kernel: %s)", self.attention.name, why_not)
         scratch = scratch_pages(model, config.cuda_graphs, config.debug)
-        self.kv = KVCache(
-            c.num_hidden_layers, config.num_pages, config.page_size, c.num_key_value_heads, c.head_dim,
-            model.dtype, model.device, debug=config.debug, scratch_pages=scratch,
-        )
+        self.kv = kv_cache(model, config, scratch)
+        # rank 0 of a tensor-parallel group sends each step to the other ranks (None: one device)
+        self.sender = StepSender.of(model)
         self.sampler = Sampler()
         # grammar masks filled beside the forward where the host is idle meanwhile
         self.sampler.grammar_masks.overlap = model.device.type == "cuda"
@@ -143,7 +153,7 @@ class ModelRunner:
             logits = self.step_graphs.run(chunks, bucket, in_flight_tokens)
         else:
             inputs = build_step_inputs(
-                chunks, self.attention, self.page_size, self.model.config.num_query_groups, self.model.device,
+                chunks, self.attention, self.page_size, self.model.heads.query_groups, self.model.device,
                 in_flight_tokens,
             )
             self.kv.check_reads(inputs.attention.slot_mapping, inputs.attention.reads())
@@ -151,13 +161,15 @@ class ModelRunner:
             requests = [c.request for c in inputs.sampled]
             self.sampler.prepare(requests, vocab)
             if inputs.pool_indices is None:
-                logits = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv, inputs.logit_indices)
-            else:  # pooled prompts end here: their answers come from the hidden states, not logits
-                hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, inputs.attention, self.kv)
-                logits = self.model.logits(hidden.index_select(0, inputs.logit_indices))
+                logits = self._forward(inputs)
+            else:  # pooled prompts end here: their answers come from the hidden states
+                hidden, logits = self._forward(inputs, keep_hidden=True)
+                scored = len(logits) - inputs.num_score_rows  # a score's logit rows come last
                 pooled = pooled_answers(
-                    self.model, hidden.index_select(0, inputs.pool_indices), [c.request for c in inputs.pooled]
+                    self.model, hidden.index_select(0, inputs.pool_indices), [c.request for c in inputs.pooled],
+                    logits[scored:],
                 )
+                logits = logits[:scored]
             if inputs.prompt_rows:  # the rows after the sampled ones score prompt tokens
                 prompt_logprobs.score(logits[len(requests):], inputs.prompt_rows)
                 logits = logits[: len(requests)]
@@ -165,7 +177,45 @@ class ModelRunner:
         logits, requests = samples.with_fork_rows(logits, requests, forks)
         return LaunchedStep(self.sampler.sample_on_device(logits, requests), computed, requests, forks, pooled)
 
+    @property
+    def leads_followers(self) -> bool:
+        """Whether tensor-parallel followers run each step with this runner."""
+        return self.sender is not None
+
+    def _forward(self, inputs: StepInputs, keep_hidden: bool = False):
+        """The step's forward → its logit rows; with ``keep_hidden``, (the decoder stack's
+        output, the logit rows), which make the same collectives as the plain forward. With
+        tensor-parallel followers the step is sent to them first; a forward that fails here left
+        them inside it, out of step with this rank: the group is lost (``RankFailedError``)."""
+        model = self.model
+        if self.sender is not None:
+            self.sender.step(inputs.input_ids, inputs.positions, inputs.logit_indices, inputs.layout)
+        try:
+            if not keep_hidden:
+                return model(inputs.input_ids, inputs.positions, inputs.attention, self.kv, inputs.logit_indices)
+            hidden = model.hidden_states(inputs.input_ids, inputs.positions, inputs.attention, self.kv)
+            return hidden, model.logits(hidden.index_select(0, inputs.logit_indices))
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            if self.sender is None:
+                raise
+            raise RankFailedError(f"rank 0's forward failed, its followers are out of step: {exc}") from exc
+
+    def copy_pages(self, sources: list[int], targets: list[int]) -> None:
+        """``KVCache.copy_pages`` on every rank (forked samples, ``engine.samples``)."""
+        if self.sender is not None and sources:
+            self.sender.copy_pages(sources, targets)
+        self.kv.copy_pages(sources, targets)
+
     def close(self) -> None:
-        """Drop the graphs (they hold the KV tensors' addresses) and the KV tensors."""
+        """Drop the graphs (they hold the KV tensors' addresses) and the KV tensors; release
+        the tensor-parallel followers."""
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            try:
+                sender.stop()
+            except RankFailedError:  # the group is gone already: no follower is left to stop
+                log.warning("tensor-parallel followers not stopped: the group has failed")
         self.decode_graphs = self.step_graphs = None
         self.kv.k = self.kv.v = torch.empty(0)

@@ -4,7 +4,9 @@ its ``dimensions``, L2-normalised) or, for a score, P(yes) of a yes/no judge.
 
 The hidden state is the one the LM head would read (``Qwen3.logits`` applies the same norm),
 which is what transformers' ``Qwen3Model`` returns as ``last_hidden_state``; an embedding
-needs no LM head, and a score computes it for its own rows only.
+needs no LM head, and a score's logit row is one of the step's (``batch``: after the prompt
+rows), so a step makes the same LM-head call, and the same collectives on every
+tensor-parallel rank, with or without them.
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ class PooledAnswers:
         return answers
 
 
-def pooled_answers(model: Qwen3, hidden: torch.Tensor, requests: list[Request]) -> PooledAnswers:
-    """``hidden`` [R, hidden]: the decoder stack's output at each pooled request's last token."""
+def pooled_answers(
+    model: Qwen3, hidden: torch.Tensor, requests: list[Request], score_logits: torch.Tensor
+) -> PooledAnswers:
+    """``hidden`` [R, hidden]: the decoder stack's output at each pooled request's last token;
+    ``score_logits`` [S, vocab]: the logits there of the S score requests among them, in order
+    (computed with the step's other logit rows, one LM-head call)."""
     specs = [r.pooling for r in requests]
     device = hidden.device
     out = model.norm(hidden).float()
@@ -52,7 +58,6 @@ def pooled_answers(model: Qwen3, hidden: torch.Tensor, requests: list[Request]) 
     if scored:
         rows = to_device(scored, device, torch.long)
         pairs = to_device([t for i in scored for t in (specs[i].no_token_id, specs[i].yes_token_id)], device, torch.long)
-        logits = model.logits(hidden.index_select(0, rows))
-        judged = torch.softmax(logits.gather(1, pairs.view(-1, 2)).float(), dim=-1)[:, 1]
+        judged = torch.softmax(score_logits.gather(1, pairs.view(-1, 2)).float(), dim=-1)[:, 1]
         out[rows, 0] = judged
     return PooledAnswers(requests, out)

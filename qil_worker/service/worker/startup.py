@@ -47,8 +47,9 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         model_dir = str(ensure_demo_model())
         log.info("serving the embedded DEMO model (random weights) from %s", model_dir)
     t0 = time.perf_counter()
+    parallel = _tensor_parallel(config, model_dir)
     model = Qwen3.from_directory(
-        model_dir, device=config.device, dtype=config.dtype, quantize=config.quantize,
+        model_dir, device=config.device, dtype=config.dtype, quantize=config.quantize, parallel=parallel,
     )
     weight_format, weight_bytes = model.weight_summary()
     cfg = model.config
@@ -184,6 +185,26 @@ def _install_forward_fault(model: Any, spec: str | None) -> None:
 
     model.forward = forward  # the instance attribute shadows the method for this model only
     log.warning("TEST FAULT INJECTION ON: forward calls %d..%d will raise", first_call, first_call + num - 1)
+
+
+def _tensor_parallel(config: P.WorkerConfig, model_dir: str) -> Any:
+    """This worker's place as rank 0 of ``tensor_parallel_size`` ranks (the others spawned and
+    joined here); the single-device state at 1."""
+    from qil_worker.errors import ConfigError
+    from qil_worker.parallel import SINGLE
+    from qil_worker.parallel.group import join_group
+    from qil_worker.parallel.ranks import local_init_method, start_followers
+
+    size = config.tensor_parallel_size
+    if size == 1:
+        return SINGLE
+    if config.kv_memory_bytes is not None or config.kv_memory_fraction is not None:
+        # every rank allocates the same pool before rank 0 could size it
+        raise ConfigError("tensor_parallel_size > 1 needs an explicit --num-pages (not --kv-memory-*)")
+    init_method = local_init_method()
+    start_followers(config, model_dir, size, init_method)
+    log.info("tensor parallel: %d ranks (%s)", size, "NCCL" if config.device.startswith("cuda") else "gloo")
+    return join_group(0, size, init_method, device=config.device)
 
 
 def _load_tokenizer(config: P.WorkerConfig, model_dir: str, vocab_size: int) -> tuple[Any, str | None]:

@@ -1,0 +1,46 @@
+"""Joining this process to a tensor-parallel group: gloo on CPU, NCCL on CUDA, with a timeout so
+that no rank waits forever in a collective when another has died."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from qil_worker.parallel.state import ParallelState
+
+DEFAULT_TIMEOUT_S = 60.0
+# Followers wait for rank 0's next step on the control group for as long as the server idles; a
+# rank that dies still ends that wait at once (its connections close).
+CONTROL_TIMEOUT = datetime.timedelta(days=7)
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The collective library for tensors on ``device``."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def join_group(
+    rank: int, world_size: int, init_method: str, device: torch.device | str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ParallelState:
+    """Initialise the default process group as rank ``rank`` of ``world_size`` (all ranks call
+    it with the same ``init_method``: ``tcp://host:port`` or ``file:///path``) → its state,
+    with a gloo control group beside it (``ParallelState.control_group``). A forward's
+    collective that has not completed after ``timeout_s`` raises instead of hanging."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return ParallelState(rank, world_size, None, control)
+
+
+def leave_group() -> None:
+    """Destroy the default process group (once the ranks are done with it)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,135 @@
+"""Running a job on every rank of a gloo tensor-parallel group of spawned processes, and the
+jobs the tensor-parallel tests run there (each rank loads only its shard of the checkpoint)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RANK_TIMEOUT_S = 240  # a whole job on one rank, start-up included (two shared cores)
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def run_ranks(job: Callable[..., Any], world_size: int, workdir: Path, *args: Any,
+              killed: tuple[int, ...] = ()) -> list[Any]:
+    """``job(parallel, *args)`` on ``world_size`` spawned ranks → each rank's return value, in
+    rank order (None for the ``killed`` ranks, which must have died of SIGKILL). A rank that
+    fails, or outlives ``RANK_TIMEOUT_S``, fails the call."""
+    ctx = multiprocessing.get_context("spawn")
+    store = workdir / "tp-store"
+    procs = [ctx.Process(target=_rank_main, args=(job, rank, world_size, str(store), str(workdir), args))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(RANK_TIMEOUT_S)
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        assert not alive, f"rank(s) {alive} still running after {RANK_TIMEOUT_S} s"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [workdir / f"rank{r}.err" for r in range(world_size) if r not in killed]
+    failed = [e.read_text() for e in errors if e.exists()]
+    assert not failed, "\n".join(failed)
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL if r in killed else 0 for r in range(world_size)]
+    return [None if r in killed else torch.load(workdir / f"rank{r}.pt", weights_only=False)
+            for r in range(world_size)]
+
+
+def _rank_main(job, rank: int, world_size: int, store: str, workdir: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    from qil_worker.parallel.group import join_group, leave_group
+
+    try:
+        parallel = join_group(rank, world_size, f"file://{store}", timeout_s=COLLECTIVE_TIMEOUT_S)
+        try:
+            result = job(parallel, *args)
+        finally:
+            leave_group()
+        torch.save(result, Path(workdir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(workdir) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+# -- jobs ----------------------------------------------------------------------------------------
+
+SAMPLED_PROMPT = list(range(3, 13))  # 10 tokens: a partial page of 4, copied for the second sample
+
+
+def forward_and_generate(parallel, checkpoint: str, prompts: list[list[int]], logit_prompt: list[int],
+                         fused: bool | None = None, num_pages: int = 30) -> dict[str, Any]:
+    """Rank 0: the logits of a full prefill of ``logit_prompt``, the greedy tokens of ``prompts``
+    on an engine whose pool of ``num_pages`` pages of 4 forces preemption (prefix cache on), and
+    two seeded samples of ``SAMPLED_PROMPT`` (a fork: page copies on every rank); with the
+    engine's counters. The other ranks follow it. Every rank: its weight bytes and KV heads."""
+    from qil_worker import Engine, Qwen3
+    from qil_worker.engine.config import EngineConfig
+    from qil_worker.engine.probe import ForwardProbe
+    from qil_worker.engine.runner.follower import follow
+
+    model = Qwen3.from_directory(checkpoint, dtype="float32", parallel=parallel, fused_projections=fused)
+    config = EngineConfig(num_pages=num_pages, page_size=4, prefix_cache=True)
+    out: dict[str, Any] = {"weight_bytes": model.weight_summary()[1], "kv_heads": model.heads.kv_heads}
+    if parallel.rank > 0:
+        out["steps"] = follow(model, config)
+        return out
+    probe = ForwardProbe(model, num_pages=num_pages, page_size=4)
+    (out["logits"],) = probe.forward([(probe.sequence(logit_prompt), len(logit_prompt))])
+    engine = Engine(model, config)
+    results = engine.generate(prompts, max_new_tokens=10)
+    out["sampled"] = [r.output_token_ids for r in
+                      engine.generate([SAMPLED_PROMPT], max_new_tokens=6, n=2, temperature=1.0, seed=7)[0]]
+    stats = engine.stats()
+    engine.close()
+    out.update(tokens=[r.output_token_ids for r in results], preemptions=sum(r.num_preemptions for r in results),
+               pages_used=stats.num_pages_used, prefix_hit_rate=stats.prefix_cache_hit_rate)
+    return out
+
+
+def kill_a_follower_mid_stream(parallel, checkpoint: str, workdir: str) -> dict[str, Any]:
+    """Rank 1 follows until rank 0, a few tokens into two long requests, SIGKILLs it; rank 0
+    then steps on → what its engine reported, and how long that took."""
+    from qil_worker import Engine, FinishReason, Qwen3
+    from qil_worker.engine.config import EngineConfig
+    from qil_worker.engine.runner.follower import follow
+    from qil_worker.errors import DeviceFailedError
+
+    model = Qwen3.from_directory(checkpoint, dtype="float32", parallel=parallel)
+    config = EngineConfig(num_pages=64, page_size=4)
+    pid_file = Path(workdir) / "follower.pid"
+    if parallel.rank > 0:
+        pid_file.write_text(str(os.getpid()))
+        follow(model, config)
+        raise AssertionError("the follower outlived its SIGKILL")
+    engine = Engine(model, config)
+    ids = [engine.submit([5, 6, 7], max_new_tokens=200), engine.submit([9, 8], max_new_tokens=200)]
+    tokens = 0
+    while tokens < 6:  # a stream under way (the follower wrote its pid before the first step)
+        tokens += sum(e.token_id is not None for e in engine.step())
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    start = time.monotonic()
+    finals = {}
+    refused = None
+    for _ in range(1000):
+        try:
+            events = engine.step()
+        except DeviceFailedError as exc:
+            refused = str(exc)
+            break
+        finals.update({e.request_id: (e.finish_reason, e.error) for e in events if e.finished})
+    elapsed = time.monotonic() - start
+    engine.close()
+    return {"finals": [finals.get(i) for i in ids], "refused": refused, "elapsed": elapsed,
+            "failure": engine.device_failure, "error_reason": FinishReason.ERROR, "tokens": tokens}
+

@@ -1,0 +1,70 @@
+"""``serve --tensor-parallel-size 2`` as a real server: the worker and the rank it spawns give
+the single-device engine's tokens; SIGKILL of that rank mid-stream ends the stream with an
+in-band error and the supervisor replaces the whole group (a new worker, a new rank)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from qil_client import Client, QilError
+
+from service_fixtures import make_service_checkpoint, reference_outputs, start_server, wait_until
+
+ENGINE = dict(num_pages=256, page_size=16, token_budget=128, prefill_chunk=64, max_active=8)
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [40, 41]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_service_checkpoint(tmp_path_factory.mktemp("tp-service"))
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid and fields[0] != "Z":
+                    found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def test_tp2_server_gives_tp1_tokens_and_survives_a_killed_rank(model_dir):
+    expected = reference_outputs(model_dir, PROMPTS, 12, engine=ENGINE)
+    with start_server(model_dir, engine=ENGINE, tensor_parallel_size=2, restart_backoff_s=0.2) as srv:
+        with Client(srv.target, timeout=120) as c:
+            assert [list(c.generate(p, max_new_tokens=12).token_ids) for p in PROMPTS] == expected
+            worker = c.info().worker.pid
+            (rank1,) = [p for p in _children(worker) if _comm(p) != "resource_tracker"]
+            stream = c.stream([1, 2, 3], max_new_tokens=4000)
+            assert next(stream).token_ids
+            os.kill(rank1, signal.SIGKILL)
+            events = list(stream)  # the request ends in-band, as on a lost device
+            assert events and "tensor-parallel group failed" in events[-1].error
+            wait_until(lambda: _serving_again(c, worker), timeout=120, interval=0.2)
+            info = c.info()
+            assert info.worker.restarts == 1 and info.pages.used == 0
+            assert [list(c.generate(p, max_new_tokens=12).token_ids) for p in PROMPTS] == expected
+            assert len([p for p in _children(info.worker.pid) if _comm(p) != "resource_tracker"]) == 1
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return "resource_tracker" if "resource_tracker" in f.read() else "rank"
+    except OSError:
+        return "gone"
+
+
+def _serving_again(c: Client, old_pid: int) -> bool:
+    try:
+        return c.health() == "SERVING" and c.info().worker.pid not in (0, old_pid)
+    except QilError:
+        return False
