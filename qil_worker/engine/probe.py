@@ -44,7 +44,7 @@ class ForwardProbe:
         self.pool = PagePool(num_pages, on_reuse=self.kv.forget_pages)
         # rank 0 of a tensor-parallel group: its forwards are the followers' too (its engine's
         # ``close`` releases them)
-        self.sender = StepSender.of(model)
+        self.sender = StepSender.of(model.parallel, model.device)
 
     def sequence(self, token_ids: Sequence[int]) -> Request:
         """A sequence whose tokens are all known up front; compute it with ``forward``."""

@@ -14,16 +14,12 @@ pages, ``engine.samples``) and the stop go the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from qil_worker.attention.backend import StepLayout
 from qil_worker.parallel.state import ParallelState, collective
-
-if TYPE_CHECKING:
-    from qil_worker.model import Qwen3
 
 STOP, STEP, COPY_PAGES = 0, 1, 2
 HEADER = 6  # kind, chunks, groups, tokens, logit rows, page-table width (or pages to copy)
@@ -59,10 +55,10 @@ class StepSender:
         self.parallel, self.device = parallel, device
 
     @classmethod
-    def of(cls, model: "Qwen3") -> "StepSender | None":
-        """The sender of a sharded model's rank 0; None on one device. Any other rank follows
+    def of(cls, parallel: ParallelState, device: torch.device) -> "StepSender | None":
+        """The sender of a sharded model's rank 0 (the model's ``parallel`` state and device);
+        None on one device. Any other rank follows
         rank 0 (``runner.follower.follow``) and runs no steps of its own."""
-        parallel = model.parallel
         if not parallel.sharded:
             return None
         if parallel.rank != 0:
@@ -70,7 +66,7 @@ class StepSender:
                 f"tensor-parallel rank {parallel.rank} follows rank 0's steps "
                 "(qil_worker.engine.runner.follower.follow); only rank 0 runs an engine"
             )
-        return cls(parallel, model.device)
+        return cls(parallel, device)
 
     def _header(self, *values: int) -> None:
         header = torch.zeros(HEADER, dtype=torch.long)

@@ -97,7 +97,7 @@ class ModelRunner:
         scratch = scratch_pages(model, config.cuda_graphs, config.debug)
         self.kv = kv_cache(model, config, scratch)
         # rank 0 of a tensor-parallel group sends each step to the other ranks (None: one device)
-        self.sender = StepSender.of(model)
+        self.sender = StepSender.of(model.parallel, model.device)
         self.sampler = Sampler()
         # grammar masks filled beside the forward where the host is idle meanwhile
         self.sampler.grammar_masks.overlap = model.device.type == "cuda"

@@ -193,7 +193,7 @@ def _tensor_parallel(config: P.WorkerConfig, model_dir: str) -> Any:
     from qil_worker.errors import ConfigError
     from qil_worker.parallel import SINGLE
     from qil_worker.parallel.group import join_group
-    from qil_worker.parallel.ranks import local_init_method, start_followers
+    from qil_worker.service.worker.ranks import local_init_method, start_followers
 
     size = config.tensor_parallel_size
     if size == 1:

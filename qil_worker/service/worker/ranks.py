@@ -28,12 +28,12 @@ def local_init_method() -> str:
 
 def start_followers(config: Any, model_dir: str, world_size: int, init_method: str) -> list[subprocess.Popen]:
     """Start ranks 1..``world_size``-1 of the worker ``config`` (a ``WorkerConfig``) → their
-    processes. Fresh interpreters (``python -m qil_worker.parallel.ranks``, their arguments
+    processes. Fresh interpreters (``python -m qil_worker.service.worker.ranks``, their arguments
     pickled on stdin): the worker is a daemon process, which multiprocessing lets have no
     children."""
     procs = []
     for rank in range(1, world_size):
-        proc = subprocess.Popen([sys.executable, "-m", "qil_worker.parallel.ranks"], stdin=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-m", "qil_worker.service.worker.ranks"], stdin=subprocess.PIPE)
         proc.stdin.write(pickle.dumps((config, model_dir, rank, world_size, init_method)))
         proc.stdin.close()
         procs.append(proc)
