@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / TP)")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
-    from qil_worker.service.demo_model import write_random_checkpoint
+    from qil_worker.model.demo import write_random_checkpoint
 
     shape = QUICK if a.quick else SHAPE
     model_dir = a.model_dir or os.path.join(tempfile.gettempdir(), "qil-bench-tp" + ("-quick" if a.quick else ""))
