@@ -68,6 +68,13 @@ def invalid(field: str, message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message, field)
 
 
+def invalid_from(exc: Exception, field: str | None = None) -> ServiceError:
+    """An ``InvalidRequestError`` (message "field: what") as INVALID_ARGUMENT naming its field,
+    or ``field`` in its place."""
+    own = getattr(exc, "field", None)
+    return invalid(field or own, str(exc).removeprefix(f"{own}: "))
+
+
 def already_exists(request_id: str) -> ServiceError:
     return ServiceError(
         grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is still live", "request_id"

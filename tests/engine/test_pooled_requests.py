@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from checkpoints import make_text_checkpoint
 from engine_helpers import assert_pool_free, random_prompts, reference_greedy, run_to_completion
 from qil_worker import Engine, FinishReason, InvalidRequestError, Qwen3
-from qil_worker.engine.spec import Pooling, RequestSpec
+from qil_worker.engine.sampling_params import SamplingParams
+from qil_worker.engine.spec import Pooling, Prompt, RequestSpec
+from qil_worker.structured.spec import ConstraintSpec
 from qil_worker.text import load_tokenizer
 from qil_worker.text.prompt import encode_document
 
@@ -164,12 +166,9 @@ def test_an_overlapped_engine_gives_the_same_answers(model, ref):
         (lambda: Pooling("score", yes_token_id=1), "no_token_id"),
         (lambda: Pooling("score", yes_token_id=1, no_token_id=2, dimensions=4), "dimensions"),
         (lambda: Pooling("embed", yes_token_id=1), "yes_token_id"),
-        (lambda: RequestSpec.of([1, 2], n=2).__class__(
-            prompt=RequestSpec.of([1, 2]).prompt, sampling=RequestSpec.of([1, 2], n=2).sampling,
-            pooling=Pooling("embed")), "n"),
-        (lambda: RequestSpec.of([1, 2], json_object=True).__class__(
-            prompt=RequestSpec.of([1, 2]).prompt, constraint=RequestSpec.of([1, 2], json_object=True).constraint,
-            pooling=Pooling("embed")), "constraint"),
+        (lambda: RequestSpec(Prompt(token_ids=[1, 2]), sampling=SamplingParams(n=2), pooling=Pooling("embed")), "n"),
+        (lambda: RequestSpec(Prompt(token_ids=[1, 2]), constraint=ConstraintSpec("json_object", True),
+                             pooling=Pooling("embed")), "constraint"),
     ],
 )
 def test_bad_pooling_is_refused_naming_the_field(make, field):

@@ -19,8 +19,9 @@ from qil_worker.engine.outputs import FinishReason
 from qil_worker.engine.spec import Pooling, Prompt, RequestSpec
 from qil_worker.errors import InvalidRequestError
 from qil_worker.request_limits import MAX_POOLED_INPUTS, check_count
-from qil_worker.service.errors import ServiceError, invalid
+from qil_worker.service.errors import ServiceError, invalid, invalid_from
 from qil_worker.service.protocol import FinalRecord
+from qil_worker.text.rerank_prompt import rerank_prompt
 
 if TYPE_CHECKING:
     from qil_worker.service.front.front import Front
@@ -45,7 +46,7 @@ def check_inputs(field: str, count: int) -> None:
     try:
         check_count(field, count, MAX_POOLED_INPUTS, "inputs")
     except InvalidRequestError as exc:
-        raise invalid(field, str(exc).removeprefix(f"{field}: ")) from None
+        raise invalid_from(exc) from None
 
 
 def pooled_specs(inputs: list[PooledInput], pooling: Pooling) -> list[RequestSpec]:
@@ -85,6 +86,22 @@ async def run_pooled(
         for req in reqs:
             if req.final is None:
                 front.cancel_nowait(req.rid)
+
+
+async def rerank(
+    front: "Front", query: str, documents: list[str], instruction: str | None, top_n: int | None,
+    timeout_s: float | None,
+) -> tuple[list[tuple[int, float]], int]:
+    """Each document judged against ``query`` in Qwen3-Reranker's prompt → ((index, P(yes)) best
+    first, the best ``top_n`` when given and not 0; the prompt tokens of them all)."""
+    check_inputs("documents", len(documents))
+    inputs = [
+        PooledInput(f"documents[{i}]", Prompt(text=rerank_prompt(query, doc, instruction)))
+        for i, doc in enumerate(documents)
+    ]
+    finals = await run_pooled(front, inputs, pooled_specs(inputs, Pooling("score")), timeout_s)
+    order = sorted(range(len(finals)), key=lambda i: -finals[i].pooled)
+    return [(i, finals[i].pooled) for i in order[: top_n or None]], sum(f.num_prompt_tokens for f in finals)
 
 
 def _blamed(err: ServiceError, item_field: str) -> ServiceError:

@@ -14,15 +14,14 @@ from qil_worker.service.front import limits
 from qil_worker.engine.spec import Pooling, Prompt
 from qil_worker.errors import InvalidRequestError
 from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH
-from qil_worker.text.rerank_prompt import rerank_prompt
 from qil_worker.service.front.decoding import Undecodable
-from qil_worker.service.errors import ServiceError, invalid, resource_exhausted, unavailable
+from qil_worker.service.errors import ServiceError, invalid, invalid_from, resource_exhausted, unavailable
 from qil_worker.service.front.front import Front
 from qil_worker.service.protocol import WorkerInfo
 from qil_worker.service.front.request_log import FrontRequest
 from qil_worker.service.front.outsized_submit import OutsizedSubmit, stream_events_request, submit_request
 from qil_worker.service.front.submit_spec import refuse_unfit, submit_to
-from qil_worker.service.front.pooled_calls import PooledInput, check_inputs, pooled_specs, run_pooled
+from qil_worker.service.front.pooled_calls import PooledInput, check_inputs, pooled_specs, rerank, run_pooled
 from qil_worker.service.front.session import StreamSession
 from qil_worker.service.front.streams import (
     Subscription,
@@ -165,22 +164,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         await _reject_undecodable(request, context)
         instruction = request.instruction if request.HasField("instruction") else None
         try:
-            check_inputs("documents", len(request.documents))
-            inputs = [
-                PooledInput(f"documents[{i}]", Prompt(text=rerank_prompt(request.query, doc, instruction)))
-                for i, doc in enumerate(request.documents)
-            ]
-            finals = await run_pooled(
-                self.front, inputs, pooled_specs(inputs, Pooling("score")), context.time_remaining()
+            ranked, tokens = await rerank(
+                self.front, request.query, list(request.documents), instruction, request.top_n,
+                context.time_remaining(),
             )
         except ServiceError as err:
             await err.abort(context)
-        order = sorted(range(len(finals)), key=lambda i: -finals[i].pooled)
-        if request.top_n:
-            order = order[: request.top_n]
         return pb.RerankResponse(
-            results=[pb.RerankResult(index=i, relevance_score=finals[i].pooled) for i in order],
-            num_prompt_tokens=sum(f.num_prompt_tokens for f in finals),
+            results=[pb.RerankResult(index=i, relevance_score=score) for i, score in ranked],
+            num_prompt_tokens=tokens,
         )
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
@@ -252,7 +244,7 @@ def _pooling(make) -> Pooling:
     try:
         return make()
     except InvalidRequestError as exc:
-        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+        raise invalid_from(exc) from None
 
 
 def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:

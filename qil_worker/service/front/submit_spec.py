@@ -14,7 +14,7 @@ from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_client.options import NAMES as OPTION_NAMES
 from qil_worker.engine.spec import DEFAULT_MAX_NEW_TOKENS, RequestSpec  # torch-free
 from qil_worker.errors import InvalidRequestError
-from qil_worker.service.errors import ServiceError, invalid
+from qil_worker.service.errors import ServiceError, invalid, invalid_from
 from qil_worker.service.front.front import release_outsized_later
 from qil_worker.service.front.outsized_submit import OutsizedSubmit, PromptSize
 from qil_worker.service.front.submit_tools import chat_message, tools_options
@@ -74,7 +74,7 @@ def submit_spec(request: pb.SubmitRequest, prompt: PromptSize | None = None) -> 
         # (the id is the front's to check and give: ``Front.submit``)
         return RequestSpec.of(max_new_tokens=max_new, stop_token_ids=list(request.stop_token_ids), **options)
     except InvalidRequestError as exc:
-        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+        raise invalid_from(exc) from None
 
 
 def _plain(message: pb.ChatMessage) -> bool:
@@ -85,7 +85,7 @@ def _checked(check, *args):
     try:
         return check(*args)
     except InvalidRequestError as exc:
-        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+        raise invalid_from(exc) from None
 
 
 def refuse_unfit(front: "Front", request: OutsizedSubmit) -> None:

@@ -12,7 +12,7 @@ import grpc
 
 from qil_worker.engine.spec import RequestSpec  # torch-free
 from qil_worker.errors import InvalidRequestError
-from qil_worker.service.errors import ServiceError, invalid, unavailable
+from qil_worker.service.errors import ServiceError, invalid_from, unavailable
 from qil_worker.service.front.front import Front
 from qil_worker.service.front.request_log import FrontRequest, SampleEnd
 from qil_worker.service.front.http.params import CallParams
@@ -40,7 +40,7 @@ def specs_of(params: CallParams) -> list[RequestSpec]:
                 text=prompt.text, messages=prompt.messages, **options,
             ))
         except InvalidRequestError as exc:
-            raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+            raise invalid_from(exc) from None
     return specs
 
 

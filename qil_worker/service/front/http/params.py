@@ -17,7 +17,7 @@ from qil_worker.structured.spec import CONSTRAINT_KINDS, ConstraintSpec
 from qil_worker.structured.tool_grammar import tool_options
 from qil_worker.structured.tools import ToolRequest, tool_request
 from qil_worker.text.tool_messages import tool_parts
-from qil_worker.service.errors import invalid
+from qil_worker.service.errors import invalid, invalid_from
 
 # body parameter → (Engine.submit keyword, type) for those that pass straight through; the
 # extras after the first five are vLLM's
@@ -207,7 +207,7 @@ def _checked(check, *args):
     try:
         return check(*args)
     except InvalidRequestError as exc:
-        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+        raise invalid_from(exc) from None
 
 
 def _common(body: dict, chat: bool) -> CallParams:
@@ -312,7 +312,7 @@ def _constraint(body: dict, chat: bool) -> dict[str, Any]:
     try:  # the worker's own rules (sizes, an empty choice...), before the option crosses the pipe
         ConstraintSpec.from_kwargs(**option)
     except InvalidRequestError as exc:
-        raise invalid(name, str(exc).removeprefix(f"{exc.field}: ")) from None
+        raise invalid_from(exc, name) from None
     return option
 
 

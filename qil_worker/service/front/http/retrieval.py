@@ -12,14 +12,14 @@ from aiohttp import web
 
 from qil_worker.engine.spec import Pooling, Prompt
 from qil_worker.errors import InvalidRequestError
-from qil_worker.service.errors import invalid
+from qil_worker.service.errors import invalid, invalid_from
 from qil_worker.service.front.http.body import read_body
 from qil_worker.service.front.http.params import completion_prompts
 from qil_worker.service.front.http.shapes import new_id
 from qil_worker.service.front.http.sse import dumps
 from qil_worker.service.front.http.tokens import check_model
 from qil_worker.service.front.pooled_calls import PooledInput, check_inputs, pooled_specs, run_pooled
-from qil_worker.text.rerank_prompt import rerank_prompt
+from qil_worker.service.front.pooled_calls import rerank as rerank_documents
 
 if TYPE_CHECKING:
     from qil_worker.service.front.http.context import HttpContext
@@ -40,7 +40,7 @@ async def embeddings(ctx: "HttpContext", request: web.Request) -> web.Response:
     try:
         pooling = Pooling("embed", dimensions=dimensions)
     except InvalidRequestError as exc:
-        raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+        raise invalid_from(exc) from None
     value = body.get("input")
     if isinstance(value, list) and value and not isinstance(value[0], int):  # several inputs
         check_inputs("input", len(value))
@@ -80,21 +80,13 @@ async def rerank(ctx: "HttpContext", request: web.Request) -> web.Response:
     return_documents = body.get("return_documents", True)
     if not isinstance(return_documents, bool):
         raise invalid("return_documents", "must be a boolean")
-    inputs = [
-        PooledInput(f"documents[{i}]", Prompt(text=rerank_prompt(query, t, instruction)))
-        for i, t in enumerate(texts)
-    ]
-    finals = await run_pooled(ctx.front, inputs, pooled_specs(inputs, Pooling("score")), None)
-    order = sorted(range(len(finals)), key=lambda i: -finals[i].pooled)
-    if top_n:
-        order = order[:top_n]
+    ranked, tokens = await rerank_documents(ctx.front, query, texts, instruction, top_n, None)
     results: list[dict[str, Any]] = []
-    for i in order:
-        entry: dict[str, Any] = {"index": i, "relevance_score": finals[i].pooled}
+    for i, score in ranked:
+        entry: dict[str, Any] = {"index": i, "relevance_score": score}
         if return_documents:
             entry["document"] = {"text": texts[i]}
         results.append(entry)
-    tokens = sum(f.num_prompt_tokens for f in finals)
     return web.json_response({
         "id": new_id("rerank"), "model": ctx.model_name, "results": results,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
