@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -201,7 +202,7 @@ def test_dockerfile_variants_user_ports_and_command():
     assert args.host == "0.0.0.0"  # reachable from outside the container
     assert args.model.startswith("/models/")
     exposed = {int(p) for p in instruction(DEPLOY / "Dockerfile", "EXPOSE").split()}
-    assert exposed == {args.port, args.metrics_port}
+    assert exposed == {args.port, args.metrics_port, args.http_port}
     opts, command = healthcheck()
     client = client_parser().parse_args(command[3:])
     assert command[:3] == ["python", "-m", "qil_client"] and client.command == "health"
@@ -239,6 +240,66 @@ def test_manifest_validates_against_the_kubernetes_schemas(name):
             utils.validate(doc, version, strict=True)
 
 
+GATEWAY = KUBERNETES / "gateway"
+GATEWAY_FILES = (GATEWAY / "inference-pool.yaml", GATEWAY / "epp-config.yaml")
+
+
+def gateway_doc(name: str) -> dict:
+    (doc,) = [d for d in yaml.safe_load_all((GATEWAY / name).read_text()) if d]
+    return doc
+
+
+def test_inference_pool_selects_the_deployments_on_their_http_port():
+    """The InferencePool (a CRD: no bundled schema) picks the Deployments' pods and targets the
+    port their OpenAI API listens on, which is what a gateway routes."""
+    pool = gateway_doc("inference-pool.yaml")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
+    assert set(pool["spec"]) == {"selector", "targetPorts", "endpointPickerRef"}
+    (target,) = pool["spec"]["targetPorts"]
+    for name in DEPLOYMENTS:
+        deployment = the_manifest(name)
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        ports = {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}
+        assert target["number"] == ports["http"] == deployment_serve_args(name).http_port, name
+        # the picker scrapes /metrics on the target port: served there only with --metrics-port
+        assert deployment_serve_args(name).metrics_port is not None, name
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+
+
+def test_endpoint_picker_config_names_the_gauges_qil_exports():
+    """Every metric the picker's engine entry names is a gauge of qil's registry (a renamed
+    metric would leave the picker blind), and the cache-info gauge has the labels it reads."""
+    from kubernetes_validate import utils
+
+    from qil_worker.service.front.metrics import Metrics
+
+    config_map = gateway_doc("epp-config.yaml")
+    for version in kubernetes_versions():
+        utils.validate(config_map, version, strict=True)
+    (text,) = config_map["data"].values()
+    config = yaml.safe_load(text)
+    assert config["kind"] == "EndpointPickerConfig"
+    plugins = {p["type"]: p for p in config["plugins"]}
+    extractor = plugins["core-metrics-extractor"]["parameters"]
+    (engine,) = extractor["engineConfigs"]
+    assert extractor["defaultEngine"] == engine["name"]
+    metrics = Metrics()
+    gauges = {m.name: m for m in metrics.registry.collect() if m.type == "gauge"}
+    specs = {k: v for k, v in engine.items() if k.endswith("Spec")}
+    assert set(specs) == {"queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheInfoSpec"}
+    for key, name in specs.items():
+        assert name in gauges, (key, name)
+    metrics.on_worker(SimpleNamespace(page_size=16, stats=SimpleNamespace(pages_total=512)))
+    (sample,) = [m for m in metrics.registry.collect() if m.name == specs["cacheInfoSpec"]][0].samples
+    assert sample.labels == {"block_size": "16", "num_gpu_blocks": "512"} and sample.value == 1
+    # every scheduling step names a plugin the config declares
+    for profile in config["schedulingProfiles"]:
+        for step in profile["plugins"]:
+            assert step["pluginRef"] in plugins, step
+    assert plugins["metrics-data-source"]["parameters"]["path"] == "/metrics"
+
+
 def test_schema_validation_rejects_a_broken_probe():
     """The validation above is not vacuous: a named port in a gRPC probe (the API wants a number)
     and a misspelt field are refused."""
@@ -273,7 +334,7 @@ def test_deployment_probes_grace_metrics_and_resources(name):
     c = container(deployment)
     args = deployment_serve_args(name)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
+    assert ports == {"grpc": args.port, "metrics": args.metrics_port, "http": args.http_port}
 
     # native gRPC probes, on the port the server listens on and the service name health.py sets
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -321,7 +382,7 @@ def test_docs_name_the_service_and_files():
     service = the_manifest("service.yaml")
     target = f"dns:///{service['metadata']['name']}.<namespace>.svc.cluster.local:{service_port('grpc')['port']}"
     assert target in docs
-    for path in (*DOCKERFILES, *(KUBERNETES / n for n in MANIFEST_FILES)):
+    for path in (*DOCKERFILES, *(KUBERNETES / n for n in MANIFEST_FILES), *GATEWAY_FILES):
         assert str(path.relative_to(ROOT)) in docs, path
 
 

@@ -165,6 +165,11 @@ def test_metrics_on_the_same_port(oai, server):
     resp = httpx.get(f"http://127.0.0.1:{server.http_port}/metrics", timeout=10)
     assert resp.status_code == 200
     assert "qil_requests_finished_total" in resp.text
+    assert resp.headers["content-type"].startswith("text/plain")
+    # what an inference gateway's endpoint picker scrapes from the port it routes to
+    for gauge in ("qil_requests_waiting ", "qil_requests_running ", "qil_kv_cache_usage_ratio ",
+                  "qil_cache_config_info{"):
+        assert f"\n{gauge}" in resp.text, gauge
 
 
 def test_disconnect_mid_stream_cancels_and_frees_the_pages(server):

@@ -93,8 +93,21 @@ def test_pages_gauge_moves_while_a_request_runs(metrics_server):
         assert m["qil_requests_running"] == 1
         assert m["qil_kv_pages_used"] + m["qil_kv_pages_free"] == 512
         assert m["qil_requests_unfinished"] == 1
+        # the gateway's KV-utilisation gauge: the fraction of the pool requests hold
+        assert m["qil_kv_cache_usage_ratio"] == m["qil_kv_pages_used"] / 512 > 0
         stream.close()
-        wait_until(lambda: scrape(port)["qil_kv_pages_used"] == 0)
+        m = wait_until(lambda: (m := scrape(port))["qil_kv_pages_used"] == 0 and m)
+        assert m["qil_kv_cache_usage_ratio"] == 0
+
+
+def test_cache_config_info_names_the_pools_page_size_and_count(metrics_server):
+    """What an endpoint picker's prefix scorer reads (vLLM's label names, docs/deploy.md)."""
+    srv, port = metrics_server
+    with Client(srv.target, timeout=60) as c:
+        info = c.info()
+    (key,) = [k for k in scrape(port) if k.startswith("qil_cache_config_info{")]
+    assert key == f'qil_cache_config_info{{block_size="{info.limits.page_size}",num_gpu_blocks="{info.pages.total}"}}'
+    assert scrape(port)[key] == 1
 
 
 def _serve(env: dict, *args: str) -> tuple[subprocess.Popen, str, list[str]]:

@@ -160,6 +160,8 @@ class Front:
     # supervisor.WorkerEvents
     def worker_ready(self, info: P.WorkerInfo) -> None:
         self.stats = info.stats
+        if self.metrics is not None:
+            self.metrics.on_worker(info)
 
     def worker_batch(self, batch: P.StepBatch) -> None:
         self.requests.apply(batch)

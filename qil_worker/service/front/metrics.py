@@ -7,6 +7,14 @@ process (tests) do not collide.
 Sources: the worker's per-step ``StepBatch`` (running/waiting requests, page pool, step time,
 batch size) and each request's final record (tokens, finish reason, TTFT, ITL, queue and
 end-to-end time, preemptions); the front counts worker restarts.
+
+An inference gateway's endpoint picker (the Kubernetes Gateway API Inference Extension, llm-d)
+routes on three gauges of its model-server protocol, told their names by configuration
+(docs/deploy.md): queued requests (``qil_requests_waiting``), running requests
+(``qil_requests_running``) and the fraction of the KV cache in use, 0 to 1
+(``qil_kv_cache_usage_ratio``); its prefix scorer reads the page size and count from the labels
+``block_size`` and ``num_gpu_blocks`` of an info gauge (``qil_cache_config_info``), the label
+names vLLM's ``cache_config_info`` uses, which the picker expects.
 """
 
 from __future__ import annotations
@@ -59,6 +67,11 @@ class Metrics:
         self.pages_used = G("qil_kv_pages_used", "KV pages held by requests", registry=r)
         self.pages_free = G("qil_kv_pages_free", "KV pages free (cached ones included)", registry=r)
         self.pages_cached = G("qil_kv_pages_cached", "Free KV pages kept for their prompt prefix", registry=r)
+        self.kv_usage = G("qil_kv_cache_usage_ratio",
+                          "Fraction of the KV pool's pages held by requests (0 to 1)", registry=r)
+        self.cache_config = G("qil_cache_config_info",
+                              "The KV pool's page size in tokens and its page count (value 1)",
+                              ["block_size", "num_gpu_blocks"], registry=r)
         self.finished = C(
             "qil_requests_finished", "Requests over, by finish reason", ["reason"], registry=r
         )
@@ -87,8 +100,14 @@ class Metrics:
 
     # -- hooks of the front ----------------------------------------------------------------
 
+    def on_worker(self, info: P.WorkerInfo) -> None:
+        """A worker is ready: its pool's shape (a restarted worker may size it differently)."""
+        self.cache_config.clear()
+        self.cache_config.labels(str(info.page_size), str(info.stats.pages_total)).set(1)
+
     def on_stats(self, stats: P.PoolStats, num_unfinished: int) -> None:
         self.pages_total.set(stats.pages_total)
+        self.kv_usage.set(stats.pages_used / stats.pages_total if stats.pages_total else 0.0)
         self.pages_used.set(stats.pages_used)
         self.pages_free.set(stats.pages_free)
         self.pages_cached.set(stats.pages_cached)
@@ -124,6 +143,11 @@ class Metrics:
         self.stream_backlog.inc()
 
     # -- the HTTP endpoint -----------------------------------------------------------------
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The registry in Prometheus' text format, and its content type (for /metrics served
+        beside the HTTP API)."""
+        return self._pc.generate_latest(self.registry), self._pc.CONTENT_TYPE_LATEST
 
     def serve(self, host: str, port: int) -> None:
         """``GET /metrics`` on ``host:port`` from a daemon thread."""

@@ -81,11 +81,9 @@ def _model(ctx: HttpContext) -> dict:
 
 
 def _metrics_handler(metrics):
-    pc = metrics._pc  # prometheus_client, imported by Metrics
-
     async def handler(request: web.Request) -> web.Response:
-        return web.Response(body=pc.generate_latest(metrics.registry),
-                            headers={"Content-Type": pc.CONTENT_TYPE_LATEST})
+        body, content_type = metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     return handler
 
