@@ -31,8 +31,15 @@ alternate the engines (llama.cpp first in even rounds, qil first in odd ones), s
 hits both; the table gives medians and ranges over rounds, the ratios (qil ÷ llama.cpp, > 1:
 qil faster) are taken round by round, from measurements minutes apart at most.
 
+``--model moe`` runs the same comparison on bench_moe.py's random Qwen3-MoE (Qwen3-30B-A3B's
+experts, width and heads in 4 layers, a 16,384-token vocabulary; llama.cpp's ``qwen3moe``),
+with a locally trained tokenizer of that vocabulary beside it; its default dtypes are bf16 and
+int8 (an f32 copy of its 5 GB would not fit beside qil's on a 24 GB machine) and its targets
+are issue 30's: batch 8 at least llama.cpp's, batch 1 reported.
+
     python scripts/bench_llamacpp.py                          # build/convert once, 3 rounds
     python scripts/bench_llamacpp.py --rounds 1 --new-tokens 16 --dtypes bf16   # quick look
+    python scripts/bench_llamacpp.py --model moe              # Qwen3-MoE: bf16 and int8
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import FULL_SHAPE, ensure_model  # noqa: E402
+from bench_moe import FULL_SHAPE as MOE_SHAPE, ensure_moe_model  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "qil"
 LLAMA_CACHE = CACHE / "llamacpp"
@@ -448,6 +456,24 @@ RATIOS = [
 ]
 
 
+# the MoE's targets (issue 30): batch 8 at least llama.cpp's; batch 1 and prefill reported
+MOE_RATIOS = [
+    ("bf16 b=8", "bf16", "decode8", 1.0),
+    ("int8 b=8 ÷ q8_0", "int8", "decode8", 1.0),
+    ("bf16 b=16", "bf16", "decode16", None),
+    ("int8 b=16 ÷ q8_0", "int8", "decode16", None),
+    ("bf16 b=1", "bf16", "decode1", None),
+    ("int8 b=1 ÷ q8_0", "int8", "decode1", None),
+    ("prefill bf16", "bf16", "prefill", None),
+    ("prefill int8 ÷ q8_0", "int8", "prefill", None),
+]
+# per --model: the checkpoint's shape, its writer, its default directory and dtypes, its targets
+MODELS = {
+    "dense": (FULL_SHAPE, ensure_model, "bench-qwen3-0.6b-shape", list(GGUF_TYPES), RATIOS),
+    "moe": (MOE_SHAPE, ensure_moe_model, "bench-qwen3-moe-4l", ["bf16", "int8"], MOE_RATIOS),
+}
+
+
 def report(results: dict[str, dict[str, list[float]]], args, int8: bool, meta: dict[str, dict] | None = None) -> str:
     """The table and the ratios, as markdown; ``meta``: llama.cpp's records per dtype (which
     tools ran without weight repacking)."""
@@ -467,12 +493,15 @@ def report(results: dict[str, dict[str, list[float]]], args, int8: bool, meta: d
                        f"{', '.join(record['without_repack'])}; those ran with repacking off (slower). "
                        f"Repacked decode b=1 without a prompt: {empty}")
     ratio_rows = []
-    for label, dtype, metric, target in RATIOS:
+    for label, dtype, metric, target in MODELS[args.model][4]:
         if dtype not in args.dtypes:
             continue
         qil = results.get(f"qil {dtype}", {}).get(metric, [])
         ref = results.get(f"llama.cpp {GGUF_TYPES[dtype]}", {}).get(metric, [])
         r = paired_ratios(qil, ref)
+        if target is None:
+            ratio_rows.append([label, "report", ratio_spread(r), ""])
+            continue
         verdict = "n/a" if not r else ("meets" if statistics.median(r) >= target else "below")
         ratio_rows.append([label, f"≥ {target:.1f}", ratio_spread(r), verdict])
     out.append(markdown_table(["qil ÷ llama.cpp (per round)", "target", "median (range)", ""], ratio_rows))
@@ -484,8 +513,11 @@ def report(results: dict[str, dict[str, list[float]]], args, int8: bool, meta: d
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of both engines (default %(default)s)")
-    p.add_argument("--dtypes", nargs="+", default=list(GGUF_TYPES), choices=list(GGUF_TYPES),
-                   help="qil dtypes, each against its llama.cpp peer f32/bf16/q8_0 (default: %(default)s)")
+    p.add_argument("--model", default="dense", choices=list(MODELS),
+                   help="dense: Qwen3-0.6B's shape; moe: bench_moe.py's Qwen3-MoE (default %(default)s)")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=list(GGUF_TYPES),
+                   help="qil dtypes, each against its llama.cpp peer f32/bf16/q8_0 (default: all three; "
+                        "bf16 and int8 with --model moe)")
     p.add_argument("--engines", nargs="+", default=["llama.cpp", "qil"], choices=["llama.cpp", "qil"],
                    help="measure only some engines (default: both)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default %(default)s)")
@@ -497,11 +529,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="llama-bench -r: its repetitions per round, averaged (default %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="qil KV page size (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt tokens (default %(default)s)")
-    p.add_argument("--model-dir", type=Path, default=CACHE / "bench-qwen3-0.6b-shape",
-                   help="the random checkpoint, made once by bench_engine.ensure_model (default %(default)s)")
-    p.add_argument("--tokenizer-dir", type=Path, default=CACHE / "bench-tokenizer-151643",
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="the random checkpoint, made once by bench_engine.ensure_model (bench_moe's "
+                        "ensure_moe_model with --model moe); default ~/.cache/qil/bench-qwen3-0.6b-shape "
+                        "(bench-qwen3-moe-4l)")
+    p.add_argument("--tokenizer-dir", type=Path, default=None,
                    help="tokenizer for the GGUF files, trained once by bench_structured.ensure_tokenizer "
-                        "(default %(default)s)")
+                        "with the model's vocabulary (default ~/.cache/qil/bench-tokenizer-<regular tokens>)")
     p.add_argument("--llama-version", default=None,
                    help="llama-cpp-python version whose vendored llama.cpp to use (default: the one in "
                         "the cache, else the newest on the index)")
@@ -514,8 +548,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.rounds, args.prompt_len, args.new_tokens, args.threads, args.llama_reps) < 1:
         p.error("--rounds, --prompt-len, --new-tokens, --threads and --llama-reps must be >= 1")
-    args.dtypes = [d for d in GGUF_TYPES if d in args.dtypes]
+    shape, _, directory, dtypes, _ = MODELS[args.model]
+    args.dtypes = [d for d in GGUF_TYPES if d in (args.dtypes or dtypes)]
+    args.model_dir = args.model_dir or CACHE / directory
+    args.tokenizer_dir = args.tokenizer_dir or CACHE / f"bench-tokenizer-{regular_tokens(shape)}"
     return args
+
+
+def regular_tokens(shape: dict) -> int:
+    """The tokenizer's regular vocabulary for ``shape``: Qwen3's own, or what leaves room for
+    Qwen3's special tokens within a smaller model's embedding."""
+    from bench_structured import FULL_TOKENIZER_SIZE, QWEN3_SPECIALS
+
+    return min(FULL_TOKENIZER_SIZE, shape["vocab_size"] - len(QWEN3_SPECIALS))
 
 
 def machine() -> str:
@@ -537,20 +582,21 @@ def main(argv=None) -> int:
     cpu_memory.configure_process("cpu")
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    model_dir = ensure_model(args.model_dir, FULL_SHAPE)
+    shape, ensure, *_ = MODELS[args.model]
+    model_dir = ensure(args.model_dir, shape)
     int8 = int8_supported()
     qil_dtypes = [d for d in args.dtypes if "qil" in args.engines and (d != "int8" or int8)]
 
     llama, ggufs, meta = None, {}, {}
     if "llama.cpp" in args.engines:
-        from bench_structured import CORPUS_BYTES, FULL_TOKENIZER_SIZE, ensure_tokenizer
+        from bench_structured import CORPUS_BYTES, ensure_tokenizer
 
         llama = ensure_llamacpp(args)
-        tokenizer_dir = ensure_tokenizer(args.tokenizer_dir, FULL_TOKENIZER_SIZE, CORPUS_BYTES)
+        tokenizer_dir = ensure_tokenizer(args.tokenizer_dir, regular_tokens(shape), CORPUS_BYTES)
         ggufs = {d: ensure_gguf(llama, model_dir, tokenizer_dir, GGUF_TYPES[d], args.skip_build) for d in args.dtypes}
 
     g = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, FULL_SHAPE["vocab_size"], (max(BATCHES), args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(0, shape["vocab_size"], (max(BATCHES), args.prompt_len), generator=g).tolist()
     engines = {}
     for d in qil_dtypes:
         t = time.perf_counter()
@@ -583,7 +629,8 @@ def main(argv=None) -> int:
     print(f"{machine()}; torch {torch.__version__}, {args.threads} threads; "
           + (f"llama.cpp {llama.commit} ({llama.package}, build {next(iter(meta.values()), {}).get('build_commit')}); "
              if llama else "")
-          + f"prompt {args.prompt_len}, {args.new_tokens} decode steps, {args.rounds} round(s); "
+          + f"model {args.model} ({model_dir.name}); "
+          f"prompt {args.prompt_len}, {args.new_tokens} decode steps, {args.rounds} round(s); "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     if ggufs:
         print("GGUF files: " + ", ".join(f"{GGUF_TYPES[d]} {p.stat().st_size / 1e9:.2f} GB" for d, p in ggufs.items()))

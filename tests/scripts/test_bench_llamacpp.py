@@ -1,5 +1,6 @@
 """bench_llamacpp.py's handling of a llama.cpp tool that crashes with repacked weights: run
-again without repacking, and said in the report (real child processes, no llama.cpp needed)."""
+again without repacking, and said in the report (real child processes, no llama.cpp needed);
+its Qwen3-MoE mode's defaults and targets."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_a_tool_that_fails_without_crashing_is_an_error_not_a_fallback():
 
 
 def test_the_report_names_what_ran_without_repacking():
-    args = argparse.Namespace(dtypes=["int8"], prompt_len=128)
+    args = argparse.Namespace(dtypes=["int8"], prompt_len=128, model="dense")
     rates = {"prefill": [179.0], "decode1": [20.6], "decode1_batched": [20.3], "decode8": [66.6],
              "decode16": [82.9], "decode1_no_prompt": [41.3]}
     results = {"llama.cpp q8_0": rates, "qil int8": {"prefill": [378.0], "decode1": [17.9], "decode8": [59.1],
@@ -46,3 +47,25 @@ def test_the_report_names_what_ran_without_repacking():
     assert "q8_0 crashed with its repacked weights in prefill, decode b=1" in text
     assert "Repacked decode b=1 without a prompt: 41.3" in text
     assert "crashed" not in bl.report(results, args, True, {"int8": {"without_repack": []}})
+
+
+def test_the_moe_mode_sizes_its_tokenizer_to_the_model_and_judges_batch_8():
+    from bench_structured import QWEN3_SPECIALS
+
+    args = bl.parse_args(["--model", "moe"])
+    assert args.dtypes == ["bf16", "int8"]  # no f32 copy of a 5 GB model beside qil's
+    assert args.model_dir.name == "bench-qwen3-moe-4l"
+    regular = bl.regular_tokens(bl.MOE_SHAPE)
+    assert regular + len(QWEN3_SPECIALS) == bl.MOE_SHAPE["vocab_size"]  # every id the model has
+    assert args.tokenizer_dir.name == f"bench-tokenizer-{regular}"
+    assert bl.parse_args([]).tokenizer_dir.name == "bench-tokenizer-151643"  # dense: Qwen3's own
+    rates = {"prefill": [100.0, 110.0], "decode1": [10.0, 12.0], "decode8": [40.0, 44.0], "decode16": [50.0, 50.0]}
+    faster = {k: [v * 1.1 for v in vs] for k, vs in rates.items()}
+    slower = {k: [v * 0.8 for v in vs] for k, vs in rates.items()}
+    for qil, verdict in ((faster, "meets"), (slower, "below")):
+        text = bl.report({"llama.cpp bf16": rates, "qil bf16": qil}, bl.parse_args(["--model", "moe", "--dtypes", "bf16"]),
+                         True)
+        (b8,) = [line for line in text.splitlines() if line.startswith("| bf16 b=8 ")]
+        assert "≥ 1.0" in b8 and b8.rstrip(" |").endswith(verdict), b8
+        (b1,) = [line for line in text.splitlines() if line.startswith("| bf16 b=1 ")]
+        assert "report" in b1 and "meets" not in b1 and "below" not in b1, b1
