@@ -212,7 +212,7 @@ class GrammarCompiler:
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 info = self._build_tokenizer_info()
-                self._token_tags = frozenset(_tags_as_tokens(self._tokenizer, info))
+                self._token_tags = frozenset(tags_as_tokens(self._tokenizer, info))
                 self._ll_tokenizer = info
             return self._ll_tokenizer
 
@@ -234,7 +234,7 @@ class GrammarCompiler:
             ) from None
 
 
-def _tags_as_tokens(tokenizer: Any, info: Any) -> list[str]:
+def tags_as_tokens(tokenizer: Any, info: Any) -> list[str]:
     """The tags (``tool_grammar.TAGS``) that are one token each, which llguidance sees as
     special tokens (every added token is one to it) and a grammar must name as such."""
     out = []

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from qil_client import AsyncClient, Client, InvalidArgument, pb
+from qil_client import AsyncClient, Client, InvalidArgument, StreamedCalls, pb
 from service_fixtures import start_server
 from tool_fixtures import ADD, SCHEMAS, TOOLS, WEATHER, make_tool_checkpoint
 
@@ -67,6 +67,31 @@ def test_the_final_event_carries_the_calls_for_every_subscriber(client):
     again = client.generate(seed=6, **CALLS)
     assert (final.tool_calls[0].name, final.tool_calls[0].arguments) == \
         (again.tool_calls[0].name, again.tool_calls[0].arguments)
+
+
+def _streamed(events) -> tuple[str, str, list]:
+    calls = StreamedCalls()
+    for ev in events:
+        calls.add(ev)
+    return ("".join(e.reasoning_delta for e in events), "".join(e.content_delta for e in events),
+            [(c.id, c.name, c.arguments) for c in calls.calls()])
+
+
+def test_events_stream_the_calls_as_deltas_that_join_to_the_final_ones(server, client):
+    events = list(client.stream(seed=9, **{**CALLS, "parallel_tool_calls": True}))
+    final = events[-1]
+    reasoning, content, calls = _streamed(events)
+    assert calls and calls == [(c.id, c.name, c.arguments) for c in final.tool_calls]
+    assert (reasoning, content) == (final.reasoning, final.content)
+    assert sum(bool(e.tool_call_deltas) for e in events) > 1  # fragments, not only the end
+    assert all("<" not in e.content_delta for e in events)
+
+    async def run():
+        async with AsyncClient(server.target, timeout=120) as c:
+            return [ev async for ev in c.stream(seed=9, **{**CALLS, "parallel_tool_calls": True})]
+
+    # the same seed over the asyncio client: the same calls (ids are per request)
+    assert [c[1:] for c in _streamed(asyncio.run(run()))[2]] == [c[1:] for c in calls]
 
 
 def test_n_samples_each_carry_their_calls(client):

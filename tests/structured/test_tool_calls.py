@@ -14,7 +14,7 @@ import llguidance.hf  # noqa: E402
 
 from checkpoints import make_tokenizer  # noqa: E402
 from qil_worker.errors import InvalidRequestError  # noqa: E402
-from qil_worker.structured.compiler import _tags_as_tokens  # noqa: E402
+from qil_worker.structured.compiler import tags_as_tokens  # noqa: E402
 from qil_worker.structured.tool_grammar import TAGS, tool_constraint, tool_grammar  # noqa: E402
 from qil_worker.structured.tools import tool_request  # noqa: E402
 from tool_fixtures import ADD, TOOLS, WEATHER  # noqa: E402
@@ -29,7 +29,7 @@ def tokenizer(request, tmp_path_factory):
     if request.param == "tag tokens":
         tok.add_tokens(list(TAGS))
     info = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=[tok.eos_token_id])
-    return tok, info, frozenset(_tags_as_tokens(tok, info))
+    return tok, info, frozenset(tags_as_tokens(tok, info))
 
 
 def accepts(tokenizer, text: str, choice="auto", thinking=False, parallel=None, tools=TOOLS) -> bool:
