@@ -15,6 +15,7 @@ from typing import Any
 from qil_worker.errors import FeatureUnavailableError, InvalidRequestError
 from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import TOOL_CALLS, ConstraintSpec
+from qil_worker.structured.thinking import after_thinking
 from qil_worker.structured.tool_grammar import TAGS, tool_grammar
 
 INSTALL_HINT = "pip install 'qil[structured]'"
@@ -92,8 +93,14 @@ def load_llguidance() -> Any:
 
 
 def grammar_text(llguidance: Any, spec: ConstraintSpec, token_tags: Collection[str] = ()) -> str:
-    """The llguidance grammar of a spec; InvalidRequestError when the text is not one.
-    ``token_tags``: the tool-call and reasoning tags the tokenizer has as tokens."""
+    """The llguidance grammar of a spec, after a reasoning block when the spec lets one come
+    first; InvalidRequestError when the text is not one. ``token_tags``: the tool-call and
+    reasoning tags the tokenizer has as tokens."""
+    grammar = _own_grammar(llguidance, spec, token_tags)
+    return after_thinking(grammar, token_tags) if spec.after_thinking else grammar
+
+
+def _own_grammar(llguidance: Any, spec: ConstraintSpec, token_tags: Collection[str]) -> str:
     ll = llguidance.LLMatcher
     try:
         if spec.kind == "json_schema":

@@ -111,6 +111,42 @@ def test_history_with_calls_and_results_is_rendered(client):
     longer = client.generate(messages=history, tools=[ADD, WEATHER], tool_choice="none", max_new_tokens=1)
     assert longer.num_prompt_tokens > plain.num_prompt_tokens
     assert not longer.tool_calls  # choice none: no calls parsed
+    # Tokenize with the same tools and history counts what the submit rendered
+    counted = client.tokenize(messages=history, tools=[ADD, WEATHER])
+    assert counted.num_tokens == longer.num_prompt_tokens > client.tokenize(messages=history).num_tokens
+    with pytest.raises(InvalidArgument) as info:
+        client.tokenize(messages=history, tools=[{"name": "bad name"}])
+    assert info.value.field == "tools[0].function.name"
+
+
+def test_none_never_opens_a_block_however_the_model_leans(client):
+    tag = client.tokenize(text="<tool_call>").token_ids
+    assert len(tag) == 1
+    out = client.generate(messages=ASK, tools=TOOLS, tool_choice="none", logit_bias={tag[0]: 100.0}, seed=1,
+                          temperature=1.0, max_new_tokens=40, enable_thinking=False)
+    assert out.finish_reason == "length" and not out.tool_calls
+    assert tag[0] not in out.token_ids and "<tool_call>" not in out.content
+
+
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+def test_a_constraint_applies_to_the_answer_after_thinking(client):
+    think, close = (client.tokenize(text=t).token_ids[0] for t in ("<think>", "</think>"))
+    bias = {think: 30.0, close: 2.0}  # opens a reasoning block, soon closes it
+    answer = client.generate(messages=ASK, json_schema=ANSWER, logit_bias=bias, seed=4, temperature=1.0,
+                             max_new_tokens=1500)
+    assert answer.reasoning and answer.text.startswith("<think>")
+    jsonschema.validate(json.loads(answer.content), ANSWER)
+    called = client.generate(messages=ASK, tools=[ADD], tool_choice="required", logit_bias=bias, seed=4,
+                             temperature=1.0, max_new_tokens=1500)
+    assert called.reasoning and [c.name for c in called.tool_calls] == ["add"]
+    check(called.tool_calls[0])
+    off = client.generate(messages=ASK, json_schema=ANSWER, logit_bias=bias, seed=4, temperature=1.0,
+                          max_new_tokens=1500, enable_thinking=False)
+    assert not off.reasoning and "<think>" not in off.text
+    jsonschema.validate(json.loads(off.content), ANSWER)
 
 
 @pytest.mark.parametrize("kw, field", [

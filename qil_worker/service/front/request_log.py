@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from qil_worker.service.protocol import FinalRecord, FinishReason, ScoredPrompt
 from qil_worker.structured.spec import TOOL_CALLS
+from qil_worker.structured.tool_grammar import parses_calls
 from qil_worker.text.assistant_output import AssistantOutput, Part
 
 if TYPE_CHECKING:
@@ -234,4 +235,5 @@ def assistant_split(spec: RequestSpec) -> bool | None:
     tool calls are constrained (tools given, their choice not none)."""
     if spec.prompt.messages is None:
         return None
-    return spec.constraint is not None and spec.constraint.kind == TOOL_CALLS
+    constraint = spec.constraint
+    return constraint is not None and constraint.kind == TOOL_CALLS and parses_calls(str(constraint.value))

@@ -452,14 +452,16 @@ class GetInfoResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., limits: _Optional[_Union[EngineLimits, _Mapping]] = ..., pages: _Optional[_Union[PagePool, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., num_unfinished: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "messages", "enable_thinking")
+    __slots__ = ("text", "messages", "enable_thinking", "tools")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     enable_thinking: bool
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+    tools: ToolUse
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ..., tools: _Optional[_Union[ToolUse, _Mapping]] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "num_tokens", "max_position_embeddings")
