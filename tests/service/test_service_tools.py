@@ -1,7 +1,10 @@
 """Tool calls over gRPC through ``qil_client`` (sync and asyncio) against a real server and
 worker, on the tiny random model with a Qwen3-style template with tools (``tool_fixtures``):
 the calls come back parsed on the final event and in ``Result.tool_calls``, each matching its
-function's schema; reasoning and content apart; bad tools refused naming the field."""
+function's schema, and stream as deltas on the events; reasoning and content apart; a
+constraint after thinking; ``none`` never opens a block; Tokenize with tools; the interplay
+with n, stop strings, max_new_tokens, logprobs, seeds and cancel; bad tools refused naming the
+field."""
 
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ import jsonschema
 import pytest
 
 from qil_client import AsyncClient, Client, InvalidArgument, StreamedCalls, pb
-from service_fixtures import start_server
-from tool_fixtures import ADD, SCHEMAS, TOOLS, WEATHER, make_tool_checkpoint
+from service_fixtures import start_server, wait_until
+from tool_fixtures import ADD, BOOK, SCHEMAS, TOOLS, WEATHER, make_tool_checkpoint
 
 ENGINE = dict(num_pages=2048, page_size=8, token_budget=512, prefill_chunk=256, max_active=16)
 ASK = [{"role": "user", "content": "hello world"}]
@@ -99,6 +102,51 @@ def test_n_samples_each_carry_their_calls(client):
     assert [s.sample_index for s in result.samples] == [0, 1]
     for sample in result.samples:
         check(sample.tool_calls[0])
+
+
+# ---------------------------------------------------------------- interplay
+
+
+def test_max_new_tokens_inside_a_call_claims_no_call(client):
+    whole = client.generate(**{**CALLS, "tools": [BOOK], "seed": 1})
+    assert whole.finish_reason == "stop" and len(whole.token_ids) > 30
+    # the same seed cut halfway: inside the arguments (the block's head is a dozen tokens)
+    events = list(client.stream(**{**CALLS, "tools": [BOOK], "max_new_tokens": len(whole.token_ids) // 2, "seed": 1}))
+    final = events[-1]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH and not final.tool_calls
+    assert "<tool_call>" not in final.content
+    # its start streamed (the deltas say what came), but the final event claims no call
+    streamed = StreamedCalls()
+    for ev in events:
+        streamed.add(ev)
+    [partial] = streamed.calls()
+    assert partial.name == "book"
+    with pytest.raises(ValueError):
+        json.loads(partial.arguments)
+
+
+def test_a_stop_string_inside_a_block_claims_no_call(client):
+    cut = client.generate(**{**CALLS, "tools": [ADD], "seed": 3, "stop_strings": ['"arguments"']})
+    assert cut.finish_reason == "stop" and cut.stop_reason == '"arguments"' and not cut.tool_calls
+    assert "<tool_call>" not in cut.content
+    never = client.generate(**{**CALLS, "tools": [ADD], "seed": 3, "stop_strings": ["never written"]})
+    plain = client.generate(**{**CALLS, "tools": [ADD], "seed": 3})
+    assert [c.arguments for c in never.tool_calls] == [c.arguments for c in plain.tool_calls] != []
+
+
+def test_logprobs_cover_every_token_of_a_call(client):
+    result = client.generate(**{**CALLS, "tools": [ADD], "seed": 3}, logprobs=True)
+    check(result.tool_calls[0])
+    assert len(result.logprobs) == len(result.token_ids) == result.num_output_tokens
+    assert all(lp <= 0.0 for lp in result.logprobs)
+
+
+def test_a_stream_left_inside_a_call_cancels_its_request(client):
+    for ev in client.stream(**{**CALLS, "tools": [BOOK], "max_new_tokens": 3000, "seed": 1}):
+        if ev.tool_call_deltas:
+            break  # the call has started: leaving the loop cancels the request
+    wait_until(lambda: (lambda i: i.num_unfinished == 0 and i.pages.used == 0)(client.info()), timeout=30)
+    check(client.generate(**{**CALLS, "tools": [ADD], "seed": 1}).tool_calls[0])
 
 
 def test_history_with_calls_and_results_is_rendered(client):
