@@ -13,6 +13,10 @@ from collections.abc import Collection
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER = "answer"  # the name of the constraint's grammar when it has none
+# an empty reasoning block and the longest blank after it: where the answer's grammar starts.
+# A grammar no output can match is refused at its first mask; behind the optional block that
+# mask is the block's, so the compiler probes the answer's start with this text too.
+ANSWER_PROBE = "<think></think>\n\n"
 
 
 def after_thinking(grammar: str, token_tags: Collection[str]) -> str:

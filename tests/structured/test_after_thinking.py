@@ -63,3 +63,18 @@ def test_a_chat_prompt_that_leaves_thinking_on_sets_the_flag():
     assert not RequestSpec.of(messages=ask, enable_thinking=False, json_object=True).constraint.after_thinking
     assert not RequestSpec.of(text="hi", json_object=True).constraint.after_thinking
     assert not RequestSpec.of([1, 2], json_object=True).constraint.after_thinking
+
+
+def test_a_constraint_no_answer_can_match_is_refused_behind_the_block_too(tokenizer):
+    """The block alone would match: the compiler probes the answer's start, as it checks a
+    plain constraint's first mask."""
+    from qil_worker.errors import InvalidRequestError
+    from qil_worker.structured.compiler import GrammarCompiler
+
+    tok = tokenizer[0]
+    compiler = GrammarCompiler(tok, vocab_size=len(tok), eos_token_ids=[tok.eos_token_id])
+    for after in (False, True):
+        with pytest.raises(InvalidRequestError) as info:
+            compiler.compile(ConstraintSpec("json_schema", '{"$ref": "#"}', after_thinking=after))
+        assert info.value.field == "json_schema" and "no output can match" in str(info.value)
+        assert compiler.compile(ConstraintSpec("json_object", True, after_thinking=after)) is not None
