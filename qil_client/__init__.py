@@ -27,11 +27,11 @@ from qil_client.errors import (
 )
 from qil_client.results import Metrics, Result, TokenizeResult, Usage
 from qil_client.retrieval import Embeddings, Ranked
-from qil_client.tools import ToolCall
+from qil_client.tools import StreamedCalls, ToolCall
 
 __all__ = [
     "AlreadyExists", "AsyncClient", "AsyncSession", "Cancelled", "Client", "DeadlineExceeded", "Embeddings",
     "FailedPrecondition", "Internal", "InvalidArgument", "Metrics", "NotFound", "QilError", "Ranked",
-    "ResourceExhausted", "Result", "Session", "TLS", "TokenizeResult", "ToolCall", "Unauthenticated", "Unavailable",
+    "ResourceExhausted", "Result", "Session", "StreamedCalls", "TLS", "TokenizeResult", "ToolCall", "Unauthenticated", "Unavailable",
     "Usage", "pb",
 ]

@@ -109,9 +109,9 @@ class AsyncClient:
         return await self._unary(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
 
     async def tokenize(self, text: str | None = None, messages=None, enable_thinking: bool | None = None,
-                       timeout: float | None = None) -> TokenizeResult:
+                       timeout: float | None = None, tools=None) -> TokenizeResult:
         """See ``qil_client.Client.tokenize``."""
-        req = tokenize_request(text, messages, enable_thinking)
+        req = tokenize_request(text, messages, enable_thinking, tools)
         return TokenizeResult.from_proto(await self._unary(self._stub.Tokenize, req, timeout))
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool | None = None,

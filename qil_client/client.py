@@ -129,10 +129,11 @@ class Client:
         return self._unary(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
 
     def tokenize(self, text: str | None = None, messages=None, enable_thinking: bool | None = None,
-                 timeout: float | None = None) -> TokenizeResult:
-        """``text`` or chat ``messages`` as the server encodes a submit's prompt: its
-        ``num_tokens`` is what that submit reports as num_prompt_tokens (nothing is queued)."""
-        req = tokenize_request(text, messages, enable_thinking)
+                 timeout: float | None = None, tools=None) -> TokenizeResult:
+        """``text`` or chat ``messages`` (with the ``tools`` a submit would give) as the server
+        encodes a submit's prompt: its ``num_tokens`` is what that submit reports as
+        num_prompt_tokens (nothing is queued)."""
+        req = tokenize_request(text, messages, enable_thinking, tools)
         return TokenizeResult.from_proto(self._unary(self._stub.Tokenize, req, timeout))
 
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool | None = None,

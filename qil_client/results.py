@@ -348,9 +348,10 @@ def tokenize_request(
     text: str | None = None,
     messages: Iterable[Mapping[str, str] | tuple[str, str] | pb.ChatMessage] | None = None,
     enable_thinking: bool | None = None,
+    tools: Iterable[Mapping[str, Any] | pb.Tool] | None = None,
 ) -> pb.TokenizeRequest:
-    """A TokenizeRequest: ``text`` or chat ``messages`` as ``submit_request`` takes them
-    (neither: the empty prompt, zero tokens)."""
+    """A TokenizeRequest: ``text`` or chat ``messages`` (and their ``tools``) as
+    ``submit_request`` takes them (neither: the empty prompt, zero tokens)."""
     req = pb.TokenizeRequest()
     if text is not None:
         with naming("text"):
@@ -360,6 +361,9 @@ def tokenize_request(
     if enable_thinking is not None:
         with naming("enable_thinking"):
             req.enable_thinking = enable_thinking
+    if tools is not None:
+        with naming("tools"):
+            req.tools.CopyFrom(tool_use(tools, None, None))
     return req
 
 

@@ -48,3 +48,26 @@ def tool_use(tools: Iterable[Mapping[str, Any] | pb.Tool], choice: str | Mapping
         choice = choice.get("function", {}).get("name", "")
     use.choice = choice or ""
     return use
+
+
+class StreamedCalls:
+    """The calls of a stream's events joined from their ``tool_call_deltas`` (a call's id and
+    name come first, then its arguments in fragments), per sample: ``add`` each event as it
+    comes (``Client.stream``, ``AsyncClient.stream``, a session's), ``calls()`` the calls so far.
+    A call cut off by max_new_tokens is here with its partial arguments; the final event's
+    ``tool_calls`` holds only the calls that parsed whole."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict[int, list[str]]] = {}  # sample -> index -> [id, name, arguments]
+
+    def add(self, ev: pb.Event) -> None:
+        calls = self._calls.setdefault(ev.sample_index, {})
+        for delta in ev.tool_call_deltas:
+            call = calls.setdefault(delta.index, ["", "", ""])
+            call[0] = call[0] or delta.id
+            call[1] = call[1] or delta.name
+            call[2] += delta.arguments
+
+    def calls(self, sample_index: int = 0) -> list[ToolCall]:
+        calls = self._calls.get(sample_index, {})
+        return [ToolCall(*calls[i]) for i in sorted(calls)]

@@ -68,7 +68,7 @@ def constraint_text(tools: list[dict], choice: str) -> str:
     from qil_worker.structured.tool_grammar import tool_constraint
     from qil_worker.structured.tools import tool_request
 
-    return tool_constraint(tool_request(tools, choice, False), False)
+    return tool_constraint(tool_request(tools, choice, False))
 
 
 def pairs(engine, prompts, new_tokens: int, constraint, repeat: int) -> tuple[float, float, list[float], dict]:

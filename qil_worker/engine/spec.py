@@ -227,7 +227,12 @@ class RequestSpec:
             stop_token_ids=() if stop_token_ids is None else stop_token_ids,
             sampling=sampling,
             text=TextOptions(() if stop_strings is None else stop_strings, include_stop_string, skip_special_tokens),
-            constraint=ConstraintSpec.from_kwargs(json_schema, json_object, regex, grammar, choice, tool_calls),
+            # a chat prompt may think first unless it turned thinking off: the constraint is
+            # the answer's
+            constraint=ConstraintSpec.from_kwargs(
+                json_schema, json_object, regex, grammar, choice, tool_calls,
+                after_thinking=messages is not None and enable_thinking is not False,
+            ),
             request_id=request_id,
         )
 

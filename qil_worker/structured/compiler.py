@@ -15,6 +15,7 @@ from typing import Any
 from qil_worker.errors import FeatureUnavailableError, InvalidRequestError
 from qil_worker.structured.matcher import CompiledConstraint
 from qil_worker.structured.spec import TOOL_CALLS, ConstraintSpec
+from qil_worker.structured.thinking import ANSWER_PROBE, after_thinking
 from qil_worker.structured.tool_grammar import TAGS, tool_grammar
 
 INSTALL_HINT = "pip install 'qil[structured]'"
@@ -92,8 +93,14 @@ def load_llguidance() -> Any:
 
 
 def grammar_text(llguidance: Any, spec: ConstraintSpec, token_tags: Collection[str] = ()) -> str:
-    """The llguidance grammar of a spec; InvalidRequestError when the text is not one.
-    ``token_tags``: the tool-call and reasoning tags the tokenizer has as tokens."""
+    """The llguidance grammar of a spec, after a reasoning block when the spec lets one come
+    first; InvalidRequestError when the text is not one. ``token_tags``: the tool-call and
+    reasoning tags the tokenizer has as tokens."""
+    grammar = _own_grammar(llguidance, spec, token_tags)
+    return after_thinking(grammar, token_tags) if spec.after_thinking else grammar
+
+
+def _own_grammar(llguidance: Any, spec: ConstraintSpec, token_tags: Collection[str]) -> str:
     ll = llguidance.LLMatcher
     try:
         if spec.kind == "json_schema":
@@ -192,6 +199,8 @@ class GrammarCompiler:
                     # the first mask builds the lexer's first states: errors that show only
                     # then are found now, and every copy starts warm
                     matcher.compute_bitmask()
+                if spec.after_thinking and not matcher.is_error():
+                    outcome["error"] = self._answer_fault(matcher)
                 outcome["matcher"] = matcher
             except Exception as exc:  # noqa: BLE001 - API misuse would surface as the message
                 outcome["error"] = f"{type(exc).__name__}: {exc}"
@@ -201,18 +210,28 @@ class GrammarCompiler:
         if worker.is_alive():  # it runs to its limits in the background; the caller is answered
             return CompileTimeout(spec.kind, f"the constraint did not compile within {self._timeout:g} s")
         matcher = outcome.get("matcher")
-        if matcher is None or matcher.is_error():
+        if matcher is None or matcher.is_error() or outcome.get("error"):
             message = plain_message((outcome.get("error") or matcher.get_error()).strip())
             if spec.kind == "grammar" and "::=" in spec.value:
                 message += f" ({GBNF_HINT})"
             return InvalidRequestError(spec.kind, message)
         return CompiledConstraint(spec, matcher, self.vocab_size)
 
+    def _answer_fault(self, matcher: Any) -> str | None:
+        """What the first mask of the answer after a reasoning block refuses (None: nothing),
+        found on a copy fed ``ANSWER_PROBE``."""
+        probe = matcher.deep_copy()
+        for token in self._tokenizer.encode(ANSWER_PROBE, add_special_tokens=False):
+            if not probe.consume_token(token):
+                return None  # a tokenizer that spells the probe otherwise: nothing to learn
+        probe.compute_bitmask()
+        return probe.get_error() if probe.is_error() else None
+
     def _tokenizer_info(self) -> Any:
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 info = self._build_tokenizer_info()
-                self._token_tags = frozenset(_tags_as_tokens(self._tokenizer, info))
+                self._token_tags = frozenset(tags_as_tokens(self._tokenizer, info))
                 self._ll_tokenizer = info
             return self._ll_tokenizer
 
@@ -234,7 +253,7 @@ class GrammarCompiler:
             ) from None
 
 
-def _tags_as_tokens(tokenizer: Any, info: Any) -> list[str]:
+def tags_as_tokens(tokenizer: Any, info: Any) -> list[str]:
     """The tags (``tool_grammar.TAGS``) that are one token each, which llguidance sees as
     special tokens (every added token is one to it) and a grammar must name as such."""
     out = []

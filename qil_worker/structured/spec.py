@@ -19,10 +19,14 @@ TOOL_CALLS = "tool_calls"
 class ConstraintSpec:
     """One constraint of a request: ``kind`` is one of ``CONSTRAINT_KINDS``; ``value`` is the
     schema as JSON text (``json_schema``), ``True`` (``json_object``), the regex or Lark grammar
-    text, or the tuple of choices. Hashable: the compiler caches compiled grammars by it."""
+    text, or the tuple of choices. ``after_thinking``: the output may open with a reasoning
+    block (``<think>...</think>``, free) before the constraint applies (a chat prompt that
+    leaves thinking on; ``structured.thinking``). Hashable: the compiler caches compiled
+    grammars by it."""
 
     kind: str
     value: str | tuple[str, ...] | bool
+    after_thinking: bool = False
 
     @classmethod
     def from_kwargs(
@@ -33,6 +37,7 @@ class ConstraintSpec:
         grammar: str | None = None,
         choice: list[str] | tuple[str, ...] | None = None,
         tool_calls: str | None = None,
+        after_thinking: bool = False,
     ) -> "ConstraintSpec | None":
         """The request's constraint, or None without one; ``InvalidRequestError`` naming the
         field for a bad value or for a second constraint (a request has at most one).
@@ -56,7 +61,7 @@ class ConstraintSpec:
                 present[1], f"a request takes one constraint; {present[0]} is given too"
             )
         kind = present[0]
-        return cls(kind, _normalised(kind, given[kind]))
+        return cls(kind, _normalised(kind, given[kind]), after_thinking)
 
 
 def _normalised(kind: str, value: object) -> str | tuple[str, ...] | bool:

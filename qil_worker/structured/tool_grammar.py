@@ -3,7 +3,7 @@
 object naming one allowed function with arguments that match its parameters.
 
 The front writes what is asked (``tool_constraint``: the calls' schemas, the mode, parallel
-calls, the thinking switch) as the text of a ``tool_calls`` constraint; the worker's compiler
+calls) as the text of a ``tool_calls`` constraint; the worker's compiler
 turns it into llguidance's grammar (``tool_grammar``) for its tokenizer, whose tags may be
 tokens of their own (Qwen3's are; llguidance then knows them only as special tokens, which a
 grammar names as ``<tool_call>``, not as text). Torch- and llguidance-free.
@@ -13,9 +13,13 @@ grammar names as ``<tool_call>``, not as text). Torch- and llguidance-free.
 * ``auto``: free text, in which ``<tool_call>`` triggers the constraint until the block
   closes; text after it is free again. Free text is one lexeme, so it costs the matcher a
   regex state per token, not a parse of the calls.
+* ``none``: free text that never opens a block: the ``<tool_call>`` token is masked (as text,
+  the tag is excluded), so no call, nor a call's text in the content, can come out. The tools
+  are still rendered into the prompt, as OpenAI and vLLM (unless its
+  ``--exclude-tools-when-tool-choice-none``) do.
 
-A reasoning block (``<think>...</think>``) may come first unless the prompt turned thinking
-off: the constraint is the answer's, not the thinking's.
+A reasoning block (``<think>...</think>``) before the answer is every constraint's
+(``ConstraintSpec.after_thinking``, ``structured.thinking``), not this grammar's.
 """
 
 from __future__ import annotations
@@ -42,24 +46,32 @@ def call_schema(tool: ToolSpec) -> dict[str, Any]:
     }
 
 
-def tool_constraint(request: ToolRequest, thinking: bool | None) -> str:
+def tool_constraint(request: ToolRequest) -> str:
     """The ``tool_calls`` constraint's text for ``request`` (compact JSON: equal requests give
-    equal text, which the compiler's cache is keyed by); ``thinking``: the prompt's switch."""
+    equal text, which the compiler's cache is keyed by)."""
+    if not request.calls_parsed:
+        return json.dumps({"none": True}, separators=(",", ":"))
     return json.dumps({
         "calls": [call_schema(t) for t in request.allowed],
         "auto": request.choice == "auto",
         "parallel": request.parallel and request.named is None,  # a named function: one call
-        "thinking": thinking,
     }, ensure_ascii=False, separators=(",", ":"))
 
 
-def tool_options(request: ToolRequest, thinking: bool | None) -> dict[str, Any]:
+def tool_options(request: ToolRequest, constrained: bool = False) -> dict[str, Any]:
     """What a request with tools adds to ``RequestSpec.of``'s options: the tools for the chat
-    template and, unless ``tool_choice`` is none, the constraint of the calls."""
+    template and the ``tool_calls`` constraint. ``constrained``: the request gives a constraint
+    of its own, which only ``tool_choice`` none allows (the caller refuses the others); it then
+    stands instead of the no-calls one (its lexemes never write the ``<tool_call>`` token)."""
     options: dict[str, Any] = {"tools": request.template_tools()}
-    if request.calls_parsed:
-        options["tool_calls"] = tool_constraint(request, thinking)
+    if request.calls_parsed or not constrained:
+        options["tool_calls"] = tool_constraint(request)
     return options
+
+
+def parses_calls(constraint: str) -> bool:
+    """Whether a ``tool_constraint``'s output holds calls to parse (not ``none``'s)."""
+    return not json.loads(constraint).get("none", False)
 
 
 def tool_grammar(constraint: str, token_tags: Collection[str]) -> str:
@@ -67,11 +79,22 @@ def tool_grammar(constraint: str, token_tags: Collection[str]) -> str:
     the answer whose calls are a JSON-schema subgrammar. ``token_tags``: those of ``TAGS`` the
     tokenizer has as tokens of their own."""
     value = json.loads(constraint)
+    if value.get("none"):
+        return json.dumps({"grammars": [{"lark_grammar": _no_calls_lark()}]})
     schemas = value["calls"]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     grammars = [{"lark_grammar": _lark(value, set(token_tags))},
                 {"name": "call", "json_schema": {**body, "x-guidance": JSON_STYLE}}]
     return json.dumps({"grammars": grammars}, ensure_ascii=False)
+
+
+# free text that holds no tag written out in characters; a tag that is a token of its own
+# is a special token to llguidance, which no regex matches
+_TEXT = 'TEXT: /(.|\\n)*/ & ~/(?s:.*)<tool_call>(?s:.*)/'
+
+
+def _no_calls_lark() -> str:
+    return "\n".join(["%llguidance {}", "start: TEXT", _TEXT]) + "\n"
 
 
 def _tag(tag: str, tokens: set[str]) -> str:
@@ -81,25 +104,17 @@ def _tag(tag: str, tokens: set[str]) -> str:
 def _lark(value: dict[str, Any], tokens: set[str]) -> str:
     call_open, call_close = _tag("<tool_call>", tokens), _tag("</tool_call>", tokens)
     lines = ["%llguidance {}", f'call: {call_open} "\\n" @call "\\n" {call_close}']
-    thinking = value["thinking"] is not False
-    head = "(think GAP)? " if thinking else ""
     if value["auto"]:
         # free text holds no tag written out in characters, so every block is a constrained one
-        lines.append(f'start: {head}(TEXT call)* TEXT')
-        lines.append('TEXT: /(.|\\n)*/ & ~/(?s:.*)<tool_call>(?s:.*)/')
+        lines.append('start: (TEXT call)* TEXT')
+        lines.append(_TEXT)
         if "<tool_call>" not in tokens:
             # the tag is text: the text before a block is lazy, ending at the tag
-            lines[-2:] = [f"start: {head}(pre call_body)* TEXT",
+            lines[-2:] = ["start: (pre call_body)* TEXT",
                           'pre[lazy]: /(.|\\n)*<tool_call>/',
                           f'call_body: "\\n" @call "\\n" {call_close}',
                           lines[-1]]
     else:
         calls = 'call ("\\n" call)*' if value["parallel"] else "call"
-        lines.append(f"start: {head}{calls}")
-    if thinking:
-        if "<think>" in tokens and "</think>" in tokens:
-            lines.append("think: <think> /(.|\\n)*/ </think>")
-        else:
-            lines.append("think[lazy]: /<think>(.|\\n)*<\\/think>/")
-        lines.append("GAP: /\\n{0,2}/")  # Qwen3's blank between reasoning and answer, bounded
+        lines.append(f"start: {calls}")
     return "\n".join(lines) + "\n"

@@ -59,6 +59,7 @@ Part = Reasoning | Content | CallStart | CallArguments | CallEnd
 class ToolCall:
     name: str
     arguments: str  # JSON text of an object
+    index: int = 0  # its block's place among the output's blocks (its CallStart's index)
 
 
 @dataclass
@@ -231,21 +232,23 @@ def _same_json(a: str, b: str) -> bool:
 def parse(text: str, thinking: bool = False, tools: bool = True) -> ParsedOutput:
     """The parts of a whole output (``AssistantOutput``'s, joined)."""
     out = AssistantOutput(thinking, tools)
+    return joined(out.feed(text) + out.finish())
+
+
+def joined(parts: list[Part]) -> ParsedOutput:
+    """A whole output's parts (every one ``AssistantOutput`` gave for it, in order) joined."""
     parsed = ParsedOutput()
     names: dict[int, str] = {}
-    arguments: dict[int, str] = {}
-    for part in out.feed(text) + out.finish():
+    for part in parts:
         if isinstance(part, Reasoning):
             parsed.reasoning += part.text
         elif isinstance(part, Content):
             parsed.content += part.text
         elif isinstance(part, CallStart):
             names[part.index] = part.name
-        elif isinstance(part, CallArguments):
-            arguments[part.index] = arguments.get(part.index, "") + part.text
         elif isinstance(part, CallEnd):
             if part.arguments is not None:
-                parsed.tool_calls.append(ToolCall(names[part.index], part.arguments))
+                parsed.tool_calls.append(ToolCall(names[part.index], part.arguments, part.index))
             else:
                 parsed.broken_calls.append(part.broken or "")
     return parsed

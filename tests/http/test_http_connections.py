@@ -194,6 +194,22 @@ def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(srv
     assert _snapshot(srv)[2] == timeouts
 
 
+def test_a_pooled_connection_the_server_closed_is_not_reused(srv):
+    """The keep-alive close is a close the client sees (its FIN), not a socket left half
+    open: a client that would keep the connection longer than the server (httpx's expiry
+    set past KEEPALIVE_S) finds it closed and connects anew; no request is lost to it."""
+    opened = []
+    transport = httpx.HTTPTransport(limits=httpx.Limits(keepalive_expiry=10 * KEEPALIVE_S))
+    hooks = {"request": [lambda request: opened.append(_conns(srv).open)]}
+    with httpx.Client(base_url=f"http://127.0.0.1:{srv.http_port}", transport=transport, timeout=30,
+                      event_hooks=hooks) as client:
+        assert client.get("/health").status_code == 200
+        wait_until(lambda: _conns(srv).open == 0, timeout=KEEPALIVE_S + SLACK_S)  # the server closed it
+        assert client.get("/health").status_code == 200
+        assert client.get("/health").status_code == 200  # and the new one is kept alive
+    assert opened[1:] == [0, 1]
+
+
 def test_a_kept_alive_connection_trickling_its_next_head_is_closed(srv):
     _, _, timeouts = _snapshot(srv)
     with _connect(srv) as sock:

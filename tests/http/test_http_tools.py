@@ -26,6 +26,8 @@ ASK = [{"role": "user", "content": "hello world"}]
 SEEDS = (1, 2, 3, 4)
 SAMPLED = dict(temperature=1.0)
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False}  # a short answer the model must give
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,27 @@ def test_the_prompt_is_the_templates_rendering_of_tools_and_tool_messages(oai, t
         tools=[ADD, WEATHER], add_generation_prompt=True, tokenize=False)
     assert "<tools>" in expected and '"arguments": {"a": 2, "b": 3}' in expected
     assert out.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
+
+
+def test_tokenize_with_tools_counts_what_the_chat_call_renders(oai, server):
+    import httpx
+
+    history = [
+        {"role": "user", "content": "what is 2 + 3?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    root = f"http://127.0.0.1:{server.http_port}"
+    chat = oai.chat.completions.create(model="tiny", messages=history, tools=[ADD, WEATHER], max_tokens=1,
+                                       tool_choice="none", temperature=0, extra_body=NO_THINKING)
+    counted = httpx.post(f"{root}/tokenize", json={"messages": history, "tools": [ADD, WEATHER], **NO_THINKING},
+                         timeout=60).json()
+    bare = httpx.post(f"{root}/tokenize", json={"messages": history, **NO_THINKING}, timeout=60).json()
+    assert counted["count"] == chat.usage.prompt_tokens > bare["count"]
+    bad = {"type": "function", "function": {"name": "bad name"}}
+    refused = httpx.post(f"{root}/tokenize", json={"messages": history, "tools": [bad]}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools[0].function.name"
 
 
 @pytest.mark.parametrize("body, param", [
@@ -199,6 +222,21 @@ def test_auto_blocks_the_model_opens_close_as_valid_calls(oai, tokenizer):
     assert calls > 0  # the bias made the model open blocks
 
 
+def test_none_never_opens_a_block_however_the_model_leans(oai, tokenizer):
+    tag = tokenizer.convert_tokens_to_ids("<tool_call>")
+    out = oai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=40,
+                                      seed=1, logit_bias={str(tag): 100}, **SAMPLED, extra_body=NO_THINKING)
+    choice = out.choices[0]
+    # the bias would make the tag the first token; under none the mask keeps it out
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content and "<tool_call>" not in choice.message.content
+    # none leaves room for a response_format of the caller's
+    shaped = oai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=400,
+                                         seed=1, response_format={"type": "json_schema", "json_schema": {
+                                             "name": "answer", "schema": ANSWER}}, **SAMPLED, extra_body=NO_THINKING)
+    jsonschema.validate(json.loads(shaped.choices[0].message.content), ANSWER)
+
+
 def test_auto_without_a_block_is_plain_content(oai, server):
     free = oai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=20, temperature=0,
                                        extra_body=NO_THINKING)
@@ -267,6 +305,22 @@ def test_thinking_comes_back_as_reasoning_content_and_the_call_after_it(oai, tok
     assert "<think>" not in (choice.message.content or "") and "</think>" not in choice.message.reasoning_content
     valid_call(choice.message.tool_calls[0])
     assert 0 < out.usage.completion_tokens_details.reasoning_tokens < out.usage.completion_tokens
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_a_response_format_applies_to_the_answer_after_thinking(oai, tokenizer, thinking):
+    think, close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    out = oai.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=1500, seed=4, logit_bias={str(think): 30, str(close): 2}, **SAMPLED,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}},
+        extra_body={} if thinking is None else NO_THINKING)
+    message = out.choices[0].message
+    jsonschema.validate(json.loads(message.content), ANSWER)
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    if thinking is None:  # the template's default, thinking on: the bias opens a free block first
+        assert reasoning and "</think>" not in reasoning
+    else:  # thinking off: no block may open, however the bias pulls
+        assert not reasoning and "<think>" not in message.content
 
 
 # ---------------------------------------------------------------- interplay

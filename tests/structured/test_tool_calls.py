@@ -14,8 +14,9 @@ import llguidance.hf  # noqa: E402
 
 from checkpoints import make_tokenizer  # noqa: E402
 from qil_worker.errors import InvalidRequestError  # noqa: E402
-from qil_worker.structured.compiler import _tags_as_tokens  # noqa: E402
-from qil_worker.structured.tool_grammar import TAGS, tool_constraint, tool_grammar  # noqa: E402
+from qil_worker.structured.compiler import tags_as_tokens  # noqa: E402
+from qil_worker.structured.thinking import after_thinking  # noqa: E402
+from qil_worker.structured.tool_grammar import TAGS, parses_calls, tool_constraint, tool_grammar  # noqa: E402
 from qil_worker.structured.tools import tool_request  # noqa: E402
 from tool_fixtures import ADD, TOOLS, WEATHER  # noqa: E402
 
@@ -29,13 +30,15 @@ def tokenizer(request, tmp_path_factory):
     if request.param == "tag tokens":
         tok.add_tokens(list(TAGS))
     info = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=[tok.eos_token_id])
-    return tok, info, frozenset(_tags_as_tokens(tok, info))
+    return tok, info, frozenset(tags_as_tokens(tok, info))
 
 
 def accepts(tokenizer, text: str, choice="auto", thinking=False, parallel=None, tools=TOOLS) -> bool:
     """Whether the grammar takes ``text`` whole and may end there."""
     tok, info, tags = tokenizer
-    grammar = tool_grammar(tool_constraint(tool_request(tools, choice, parallel), thinking), tags)
+    grammar = tool_grammar(tool_constraint(tool_request(tools, choice, parallel)), tags)
+    if thinking is not False:  # as a chat prompt's ConstraintSpec.after_thinking
+        grammar = after_thinking(grammar, tags)
     matcher = llguidance.LLMatcher(info, grammar, log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     for t in tok.encode(text, add_special_tokens=False):
@@ -83,6 +86,17 @@ def test_auto_is_free_text_until_a_block_opens(tokenizer, text, ok):
     assert accepts(tokenizer, text, "auto") is ok
 
 
+@pytest.mark.parametrize("text, ok", [
+    ("just an answer, no calls", True),
+    ("let me add " + CALL, False),  # the tag never opens (as a token it is masked)
+    ("<tool_call", True),  # text that only starts like the tag
+])
+def test_none_is_free_text_that_never_opens_a_block(tokenizer, text, ok):
+    assert accepts(tokenizer, text, "none") is ok
+    assert not parses_calls(tool_constraint(tool_request(TOOLS, "none")))
+    assert parses_calls(tool_constraint(tool_request(TOOLS, "auto")))
+
+
 def test_thinking_comes_before_the_constrained_answer_unless_turned_off(tokenizer):
     thought = "<think>\nsome {not json} thoughts\n</think>\n\n"
     assert accepts(tokenizer, thought + CALL, "required", thinking=None)
@@ -99,9 +113,9 @@ def test_arguments_match_strict_and_non_strict_schemas(tokenizer):
 
 
 def test_equal_requests_give_equal_constraints():
-    a = tool_constraint(tool_request(TOOLS, "required"), False)
-    b = tool_constraint(tool_request(json.loads(json.dumps(TOOLS)), "required"), False)
-    assert a == b and a != tool_constraint(tool_request(TOOLS, "auto"), False)
+    a = tool_constraint(tool_request(TOOLS, "required"))
+    b = tool_constraint(tool_request(json.loads(json.dumps(TOOLS)), "required"))
+    assert a == b and a != tool_constraint(tool_request(TOOLS, "auto"))
 
 
 @pytest.mark.parametrize("tools, choice, field", [

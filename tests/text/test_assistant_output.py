@@ -44,7 +44,7 @@ def test_calls_text_around_them_and_reasoning():
     assert out.content == "Let me look.\n Done."
     assert out.tool_calls == [
         ToolCall("get_weather", '{"city": "Paris", "when": {"day": 2}}'),
-        ToolCall("search", '{"q": "a \\"}\\" b"}'),
+        ToolCall("search", '{"q": "a \\"}\\" b"}', 1),
     ]
     assert [json.loads(c.arguments) for c in out.tool_calls] == [{"city": "Paris", "when": {"day": 2}}, {"q": 'a "}" b'}]
     assert not out.broken_calls

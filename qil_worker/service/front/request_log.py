@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from qil_worker.service.protocol import FinalRecord, FinishReason, ScoredPrompt
 from qil_worker.structured.spec import TOOL_CALLS
+from qil_worker.structured.tool_grammar import parses_calls
+from qil_worker.text.assistant_output import AssistantOutput, Part
 
 if TYPE_CHECKING:
     from qil_worker.engine.spec import RequestSpec
@@ -37,6 +39,7 @@ class SampleEnd(NamedTuple):
     sample: int
     record: FinalRecord
     text: str  # text released by the end itself (no token of its own)
+    parts: tuple[Part, ...] = ()  # the assistant parts the end released (``FrontRequest.parts``)
 
 
 class FrontRequest:
@@ -47,12 +50,15 @@ class FrontRequest:
     starting at any cursor gets aligned slices. ``prompt_logprobs`` arrive with token 0 and go
     out with whichever event starts at seq 0. With ``n`` samples, ``samples[i]`` is the sample
     of token i (None while every token is sample 0), ``ends`` each sample's end, and ``final``
-    (the request's end) is the record of the sample that ended last.
+    (the request's end) is the record of the sample that ended last. For a chat prompt
+    (``assistant`` set) with texts, ``parts[i]`` is what token i's text added to its sample's
+    split into reasoning, content and calls (``text.assistant_output``), computed once here so
+    every reader streams the same deltas from any cursor.
     """
 
     __slots__ = (
         "rid", "prompt_len", "n", "tokens", "samples", "texts", "logprobs", "top", "ends", "final",
-        "lost", "cached_tokens", "prompt_logprobs", "assistant", "_listeners",
+        "lost", "cached_tokens", "prompt_logprobs", "assistant", "parts", "_splitters", "_listeners",
     )
 
     def __init__(self, rid: str, prompt_len: int, n: int = 1) -> None:
@@ -72,6 +78,8 @@ class FrontRequest:
         # a chat prompt's: whether its output's tool-call blocks are calls (None: not a chat
         # prompt, its output is not split; ``assistant_split``)
         self.assistant: bool | None = None
+        self.parts: list[tuple[Part, ...]] | None = None  # per token, with texts, when assistant is set
+        self._splitters: dict[int, AssistantOutput] = {}  # per sample, while it runs
         self._listeners: set[Listener] = set()
 
     def listen(self, listener: Listener) -> None:
@@ -93,6 +101,8 @@ class FrontRequest:
         text, and the final record when the sample ended with it."""
         if text is not None and self.texts is None:
             self.texts = [""] * len(self.tokens)
+            if self.assistant is not None:
+                self.parts = [()] * len(self.tokens)
         if token >= 0:
             self.tokens.append(token)
             if sample or self.samples is not None:
@@ -101,6 +111,8 @@ class FrontRequest:
                 self.samples.append(sample)
             if self.texts is not None:
                 self.texts.append(text or "")
+            if self.parts is not None:
+                self.parts.append(self._split(sample, text or "", ended=False))
             if logprob is not None:
                 if self.logprobs is None:
                     self.logprobs = [0.0] * (len(self.tokens) - 1)
@@ -110,7 +122,9 @@ class FrontRequest:
                     self.top = [[] for _ in range(len(self.tokens) - 1)]
                 self.top.append(top)
         if final is not None:
-            self.ends.append(SampleEnd(len(self.tokens), sample, final, (text or "") if token < 0 else ""))
+            own = (text or "") if token < 0 else ""
+            parts = self._split(sample, own, ended=True) if self.parts is not None else ()
+            self.ends.append(SampleEnd(len(self.tokens), sample, final, own, parts))
             if len(self.ends) >= self.n:
                 self.final = final
         for listener in list(self._listeners):
@@ -134,8 +148,20 @@ class FrontRequest:
         ended = {end.sample for end in self.ends}
         for sample in range(self.n):
             if sample not in ended:
-                self.ends.append(SampleEnd(len(self.tokens), sample, self._error_record(error, sample), ""))
+                parts = self._split(sample, "", ended=True) if self.parts is not None else ()
+                self.ends.append(SampleEnd(len(self.tokens), sample, self._error_record(error, sample), "", parts))
         self.final = self.ends[-1].record
+
+    def _split(self, sample: int, text: str, ended: bool) -> tuple[Part, ...]:
+        """What ``text`` adds to ``sample``'s split (and, ``ended``, what the split held back)."""
+        splitter = self._splitters.get(sample)
+        if splitter is None:
+            splitter = self._splitters[sample] = AssistantOutput(tools=bool(self.assistant))
+        parts = splitter.feed(text) if text else []
+        if ended:
+            parts += splitter.finish()
+            del self._splitters[sample]
+        return tuple(parts)
 
     def _error_record(self, error: str, sample: int = 0) -> FinalRecord:
         if self.samples is None:
@@ -209,4 +235,5 @@ def assistant_split(spec: RequestSpec) -> bool | None:
     tool calls are constrained (tools given, their choice not none)."""
     if spec.prompt.messages is None:
         return None
-    return spec.constraint is not None and spec.constraint.kind == TOOL_CALLS
+    constraint = spec.constraint
+    return constraint is not None and constraint.kind == TOOL_CALLS and parses_calls(str(constraint.value))

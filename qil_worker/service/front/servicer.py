@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 
@@ -21,6 +21,7 @@ from qil_worker.service.protocol import WorkerInfo
 from qil_worker.service.front.request_log import FrontRequest
 from qil_worker.service.front.outsized_submit import OutsizedSubmit, stream_events_request, submit_request
 from qil_worker.service.front.submit_spec import refuse_unfit, submit_to
+from qil_worker.service.front.submit_tools import chat_messages, template_tools
 from qil_worker.service.front.pooled_calls import PooledInput, check_inputs, pooled_specs, rerank, run_pooled
 from qil_worker.service.front.session import StreamSession
 from qil_worker.service.front.streams import (
@@ -214,13 +215,21 @@ async def _within_message_limit(resp, context: grpc.aio.ServicerContext):
     return resp
 
 
-def _tokenize_args(request: pb.TokenizeRequest) -> tuple[str | None, list[dict[str, str]] | None, bool | None]:
-    """(text, messages, enable_thinking) of ``front.tokenize``; proto3's empty text is none."""
+def _tokenize_args(request: pb.TokenizeRequest) -> tuple[str | None, list[dict[str, Any]] | None, bool | None,
+                                                         list[dict[str, Any]] | None]:
+    """(text, messages, enable_thinking, tools) of ``front.tokenize``, the messages and tools
+    as a submit's (``submit_tools``); proto3's empty text is none."""
     if request.text and request.messages:
         raise invalid("messages", "give text or messages, not both")
-    messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
+    if request.HasField("tools") and not request.messages:
+        raise invalid("tools", "need a chat prompt (messages)")
+    try:
+        messages = chat_messages(request.messages) or None
+        tools = template_tools(request)
+    except InvalidRequestError as exc:
+        raise invalid_from(exc) from None
     thinking = request.enable_thinking if request.HasField("enable_thinking") else None
-    return request.text or None, messages, thinking
+    return request.text or None, messages, thinking, tools
 
 
 def _embed_inputs(request: pb.EmbedRequest) -> list[PooledInput]:

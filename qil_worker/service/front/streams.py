@@ -4,17 +4,16 @@ rule on how far a reader may fall behind."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_worker.service.front import limits
+from qil_worker.service.front.assistant_events import add_deltas, add_whole
 from qil_worker.service.errors import ServiceError, invalid, resource_exhausted
 from qil_worker.service.front.request_log import FrontRequest, SampleEnd
 from qil_worker.service.protocol import RequestTimings
-from qil_worker.text.assistant_output import parse
 
 if TYPE_CHECKING:
     from qil_worker.service.front.front import Front
@@ -63,6 +62,8 @@ def next_event(req: FrontRequest, cursor: int, ends_seen: int) -> tuple[pb.Event
         ev = pb.Event(request_id=req.rid, seq=cursor, sample_index=end.sample)
         if req.texts is not None:
             ev.text = end.text
+        if req.parts is not None:
+            add_deltas(ev, end.parts)
         return ev, cursor, ends_seen + 1, _close(ev, req, end, ends_seen + 1)
     if cursor >= n:
         return None, cursor, ends_seen, False
@@ -76,6 +77,8 @@ def next_event(req: FrontRequest, cursor: int, ends_seen: int) -> tuple[pb.Event
     closes = end is not None and end.position == stop and end.sample == sample
     if req.texts is not None:
         ev.text = "".join(req.texts[cursor:stop]) + (end.text if closes else "")
+    if req.parts is not None:
+        add_deltas(ev, [p for parts in req.parts[cursor:stop] for p in parts] + list(end.parts if closes else ()))
     if req.logprobs is not None:
         ev.logprobs.extend(req.logprobs[cursor:stop])
     if req.top is not None:
@@ -99,8 +102,8 @@ def _close(ev: pb.Event, req: FrontRequest, end: SampleEnd, ends_seen: int) -> b
     """Make ``ev`` the final event of ``end``'s sample; True when it ends the request too."""
     final = end.record
     done = req.final is not None and ends_seen == len(req.ends)
-    if req.assistant is not None and req.texts is not None:
-        _assistant_parts(ev, req, end)
+    if req.parts is not None:
+        add_whole(ev, req, end)
     ev.sample_finished = True
     ev.finished = done
     ev.finish_reason = final.reason.number
@@ -250,16 +253,3 @@ def stream_fell_behind(front: "Front", rids: list[str], bound: int, behind: str 
     if front.metrics is not None:
         front.metrics.on_backlog_exceeded()
 
-
-def _assistant_parts(ev: pb.Event, req: FrontRequest, end: SampleEnd) -> None:
-    """A chat sample's output split (``text.assistant_output``) onto its final event."""
-    samples = req.samples
-    texts = req.texts or []
-    text = "".join(t for i, t in enumerate(texts) if samples is None or samples[i] == end.sample) + end.text
-    parsed = parse(text, tools=bool(req.assistant))
-    ev.reasoning = parsed.reasoning
-    ev.content = parsed.content
-    for k, call in enumerate(parsed.tool_calls):
-        # from the request, sample and place: every subscriber gets the same ids
-        digest = hashlib.blake2s(f"{req.rid}/{end.sample}/{k}".encode(), digest_size=12).hexdigest()
-        ev.tool_calls.add(id=f"call_{digest}", name=call.name, arguments=call.arguments)

@@ -17,7 +17,7 @@ from qil_worker.errors import InvalidRequestError
 from qil_worker.service.errors import ServiceError, invalid, invalid_from
 from qil_worker.service.front.front import release_outsized_later
 from qil_worker.service.front.outsized_submit import OutsizedSubmit, PromptSize
-from qil_worker.service.front.submit_tools import chat_message, tools_options
+from qil_worker.service.front.submit_tools import chat_messages, tools_options
 
 if TYPE_CHECKING:
     from qil_worker.service.front.front import Front
@@ -53,8 +53,7 @@ def submit_spec(request: pb.SubmitRequest, prompt: PromptSize | None = None) -> 
     elif prompt is None and given[0] == "text":
         options["text"] = text
     elif prompt is None:
-        options["messages"] = [{"role": m.role, "content": m.content} if _plain(m) else _checked(chat_message, i, m)
-                               for i, m in enumerate(request.messages)]
+        options["messages"] = _checked(chat_messages, request.messages)
     if request.stop_strings:
         options["stop_strings"] = list(request.stop_strings)
     if request.logit_bias:
@@ -75,10 +74,6 @@ def submit_spec(request: pb.SubmitRequest, prompt: PromptSize | None = None) -> 
         return RequestSpec.of(max_new_tokens=max_new, stop_token_ids=list(request.stop_token_ids), **options)
     except InvalidRequestError as exc:
         raise invalid_from(exc) from None
-
-
-def _plain(message: pb.ChatMessage) -> bool:
-    return not (message.tool_calls or message.tool_call_id or message.reasoning_content or message.role == "tool")
 
 
 def _checked(check, *args):

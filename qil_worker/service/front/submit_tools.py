@@ -5,19 +5,33 @@ the same checks and the same constraint as the HTTP API's (``structured.tools``,
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from qil_client._proto.qil.v1 import inference_pb2 as pb
 from qil_worker.errors import InvalidRequestError
 from qil_worker.text.tool_messages import tool_parts
 from qil_worker.structured.tool_grammar import tool_options
-from qil_worker.structured.tools import CHOICE_MODES, tool_request
+from qil_worker.structured.tools import CHOICE_MODES, ToolRequest, tool_request
 
 
 def tools_options(request: pb.SubmitRequest) -> dict[str, Any]:
     """The options the request's ``tools`` add (none without them)."""
-    if not request.HasField("tools"):
+    parsed = _tool_request(request)
+    if parsed is None:
         return {}
+    return tool_options(parsed, constrained=request.WhichOneof("constraint") is not None)
+
+
+def template_tools(request: pb.TokenizeRequest) -> list[dict[str, Any]] | None:
+    """The tools a Tokenize renders, checked as a submit's (None: it gives none)."""
+    parsed = _tool_request(request)
+    return None if parsed is None else parsed.template_tools()
+
+
+def _tool_request(request: pb.SubmitRequest | pb.TokenizeRequest) -> ToolRequest | None:
+    if not request.HasField("tools"):
+        return None
     use = request.tools
     tools = []
     for i, tool in enumerate(use.tools):
@@ -35,11 +49,18 @@ def tools_options(request: pb.SubmitRequest) -> dict[str, Any]:
     choice: Any = use.choice or None
     if choice is not None and choice not in CHOICE_MODES:
         choice = {"type": "function", "function": {"name": choice}}
-    parsed = tool_request(tools, choice, not use.single_call)
-    if parsed is None:
-        return {}
-    thinking = request.enable_thinking if request.HasField("enable_thinking") else None
-    return tool_options(parsed, thinking)
+    return tool_request(tools, choice, not use.single_call)
+
+
+def chat_messages(messages: Iterable[pb.ChatMessage]) -> list[dict[str, Any]]:
+    """A Submit's or Tokenize's messages for the template (the same for both, so their
+    prompts are the same)."""
+    return [{"role": m.role, "content": m.content} if _plain(m) else chat_message(i, m)
+            for i, m in enumerate(messages)]
+
+
+def _plain(message: pb.ChatMessage) -> bool:
+    return not (message.tool_calls or message.tool_call_id or message.reasoning_content or message.role == "tool")
 
 
 def chat_message(i: int, message: pb.ChatMessage) -> dict[str, Any]:

@@ -155,6 +155,18 @@ class ToolCall(_message.Message):
     arguments: str
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
 class Choices(_message.Message):
     __slots__ = ("choices",)
     CHOICES_FIELD_NUMBER: _ClassVar[int]
@@ -248,7 +260,7 @@ class RequestMetrics(_message.Message):
     def __init__(self, queue_time_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., mean_itl_s: _Optional[float] = ..., max_itl_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("request_id", "seq", "token_ids", "text", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "finished", "finish_reason", "error", "num_prompt_tokens", "num_output_tokens", "metrics", "num_cached_tokens", "stop_token_id", "stop_string", "sample_index", "reasoning", "content", "tool_calls", "sample_finished")
+    __slots__ = ("request_id", "seq", "token_ids", "text", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "finished", "finish_reason", "error", "num_prompt_tokens", "num_output_tokens", "metrics", "num_cached_tokens", "stop_token_id", "stop_string", "sample_index", "reasoning", "content", "tool_calls", "reasoning_delta", "content_delta", "tool_call_deltas", "sample_finished")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +282,9 @@ class Event(_message.Message):
     REASONING_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_DELTA_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_DELTAS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FINISHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
@@ -292,8 +307,11 @@ class Event(_message.Message):
     reasoning: str
     content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    reasoning_delta: str
+    content_delta: str
+    tool_call_deltas: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
     sample_finished: bool
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., sample_index: _Optional[int] = ..., reasoning: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., sample_finished: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., sample_index: _Optional[int] = ..., reasoning: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., reasoning_delta: _Optional[str] = ..., content_delta: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., sample_finished: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -434,14 +452,16 @@ class GetInfoResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., limits: _Optional[_Union[EngineLimits, _Mapping]] = ..., pages: _Optional[_Union[PagePool, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., num_unfinished: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "messages", "enable_thinking")
+    __slots__ = ("text", "messages", "enable_thinking", "tools")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     enable_thinking: bool
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+    tools: ToolUse
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ..., tools: _Optional[_Union[ToolUse, _Mapping]] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "num_tokens", "max_position_embeddings")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from qil_worker.service.errors import invalid
 from qil_worker.service.front.request_log import FrontRequest, SampleEnd
-from qil_worker.service.front.http.params import CallParams, Prompt, chat_params
+from qil_worker.service.front.http.params import CallParams, chat_params
 from qil_worker.service.front.http.assistant_message import StreamedMessage, message_of, reasoning_tokens
 from qil_worker.service.front.http.shapes import by_sample, chat_logprobs, finish_reason, output_text
 
@@ -19,11 +19,12 @@ if TYPE_CHECKING:
 
 async def fill_context(ctx: "HttpContext", params: CallParams) -> None:
     """No max tokens given: the API's default is the rest of the context, which needs the
-    prompt's length; so the messages are tokenized first and the ids submitted."""
+    prompt's length; so the messages are tokenized first. They are still submitted as
+    messages: the spec knows a chat prompt (its output split, its constraint after thinking)."""
     front = ctx.front
     prompt = params.prompts[0]
-    thinking = params.options.pop("enable_thinking", None)
-    ids = await front.tokenize(None, prompt.messages, thinking, params.options.pop("tools", None))
+    thinking = params.options.get("enable_thinking")
+    ids = await front.tokenize(None, prompt.messages, thinking, params.options.get("tools"))
     info = front.info
     limit = info.max_position_embeddings if info is not None else 0
     if info is not None and front.stats.pages_total:
@@ -33,7 +34,6 @@ async def fill_context(ctx: "HttpContext", params: CallParams) -> None:
     if room < 1:
         raise invalid("messages", f"the prompt ({len(ids)} tokens) leaves no room for output "
                       f"within the model's context ({limit} tokens)")
-    params.prompts = [Prompt(token_ids=ids)]
     params.max_new_tokens = room
 
 

@@ -356,20 +356,30 @@ def chat_params(body: dict) -> CallParams:
     thinking = thinking_of(body)
     if thinking is not None:
         params.options["enable_thinking"] = thinking
-    _tools(body, params, thinking)
+    _tools(body, params)
     _check_choices(params)
     return params
 
 
-def _tools(body: dict, params: CallParams, thinking: bool | None) -> None:
+def chat_tools(body: dict) -> list[dict[str, Any]] | None:
+    """The tools a chat body's template renders, checked as a call's (None: it gives none)."""
+    tools = _tool_request(body)
+    return None if tools is None else tools.template_tools()
+
+
+def _tool_request(body: dict) -> ToolRequest | None:
+    return _checked(tool_request, body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+
+
+def _tools(body: dict, params: CallParams) -> None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls``: the tools go to the chat template,
     and unless ``tool_choice`` is none, the calls are held to their schemas (``tool_grammar``)."""
-    tools = _checked(tool_request, body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    tools = _tool_request(body)
     if tools is None:
         return
     params.tools = tools
-    options = tool_options(tools, thinking)
     given = next((k for k in CONSTRAINT_KINDS if k in params.options), None)
+    options = tool_options(tools, constrained=given is not None)
     if given is not None and "tool_calls" in options:
         raise invalid(param_of(given, chat=True) or given,
                       "cannot be combined with tools unless tool_choice is none")

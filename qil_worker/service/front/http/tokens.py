@@ -10,7 +10,7 @@ from aiohttp import web
 
 from qil_worker.service.errors import HttpError, ServiceError, invalid, unknown_model
 from qil_worker.service.front.http.body import read_body
-from qil_worker.service.front.http.params import chat_messages, token_ids_of, thinking_of
+from qil_worker.service.front.http.params import chat_messages, chat_tools, token_ids_of, thinking_of
 from qil_worker.service.front.http.sse import dumps
 
 if TYPE_CHECKING:
@@ -30,7 +30,8 @@ def _tokenizer_needed(ctx: "HttpContext", field: str) -> None:
 
 
 async def tokenize(ctx: "HttpContext", request: web.Request) -> web.Response:
-    """``{"prompt": text}`` or ``{"messages": [...]}`` (with ``chat_template_kwargs``) →
+    """``{"prompt": text}`` or ``{"messages": [...]}`` (with ``chat_template_kwargs`` and
+    ``tools``, checked as a chat call's, so the count is its ``prompt_tokens``) →
     ``{"count", "max_model_len", "tokens", "token_strs"}``; ``add_special_tokens`` is accepted
     and changes nothing (a Qwen3 tokenizer adds none to a text)."""
     body = await read_body(request)
@@ -46,8 +47,11 @@ async def tokenize(ctx: "HttpContext", request: web.Request) -> web.Response:
     field = "prompt" if prompt is not None else "messages"
     _tokenizer_needed(ctx, field)
     chat = chat_messages(body) if messages is not None else None
+    tools = chat_tools(body)
+    if tools is not None and chat is None:
+        raise invalid("tools", "need a chat prompt (messages)")
     try:
-        ids = await ctx.front.tokenize(prompt or None, chat, thinking_of(body) if chat else None)
+        ids = await ctx.front.tokenize(prompt or None, chat, thinking_of(body) if chat else None, tools)
     except ServiceError as err:
         if err.field in ("text", "messages"):
             err.field = field
