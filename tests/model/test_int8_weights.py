@@ -275,8 +275,8 @@ def test_weight_bytes_int8_about_half_of_bfloat16(tiny_dir):
 
 
 def test_unknown_quantization_is_a_config_error(tiny_dir):
-    with pytest.raises(ConfigError, match="quantize: 'int4' is not supported"):
-        Qwen3.from_directory(tiny_dir, quantize="int4")
+    with pytest.raises(ConfigError, match="quantize: 'int3' is not supported"):
+        Qwen3.from_directory(tiny_dir, quantize="int3")
     assert Qwen3.from_directory(tiny_dir, quantize="none").weight_summary()[0].startswith("13x float32")
 
 
@@ -342,7 +342,7 @@ def test_generate_runs_with_int8(tiny_dir):
 
 
 def test_the_flag_offers_the_worker_choices():
-    assert QUANTIZE_CHOICES == ("none", "int8")
+    assert QUANTIZE_CHOICES == ("none", "int8", "int4", "int4-g32")
 
 
 # ---------------------------------------------------------------------------------------------
