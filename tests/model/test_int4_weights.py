@@ -201,3 +201,35 @@ def test_moe_experts_quantize_to_int4_and_match_their_dequantized_weights(tmp_pa
     for got in (_prefill_logits(int4, ids), _decode_logits(int4, ids)):
         torch.testing.assert_close(got, reference, atol=2e-4, rtol=1e-4)
     assert "int4 experts asymmetric group 32" in int4.weight_summary()[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the scripts that measure it (their --quick sizes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _script(name: str, *args: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / name
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_accuracy_script_reports_the_int4_variants(tmp_path):
+    proc = _script("int8_accuracy.py", "--quick", "--prompts", "2", "--prompt-len", "8", "--new-tokens", "4",
+                   "--threads", "1", "--variants", "int4", "int4-g32", "--model-dir", str(tmp_path / "model"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line[:28].strip(): line[28:].split() for line in proc.stdout.splitlines() if line.startswith("int4")
+            and "accuracy" not in line}
+    assert set(rows) == {"int4", "int4-g32"}
+    for path, error, scale, agreement, *_ in rows.values():
+        assert path == "prefill" and 0 < float(error) < float(scale) and 0 <= float(agreement) <= 1
+
+
+def test_decode_step_benchmark_compares_int4_with_the_model_as_loaded(tmp_path):
+    proc = _script("bench_decode_step.py", "--quick", "--batch", "1", "--steps", "2", "--prompt-len", "5",
+                   "--dtype", "bfloat16", "--quantize", "int4-g32", "--model-dir", str(tmp_path / "model"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "as-loaded ms" in proc.stdout and "int4-g32 ms" in proc.stdout
