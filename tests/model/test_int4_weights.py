@@ -91,10 +91,10 @@ def test_both_kernels_match_the_dequantized_weight(dtype, shape):
         assert got.shape == (5, 3, out_features) and got.dtype == dtype
         tolerance = 1e-5 if dtype == torch.float32 else 2**-7
         assert ((got.double() - want).abs() <= tolerance * size + 1e-6).all(), kernel
-        for rows in (1, 2, 17):  # decode-sized and larger steps alike
-            assert torch.equal(layer(x.view(-1, in_features)[:rows]), got.view(-1, out_features)[:rows]) or \
-                ((layer(x.view(-1, in_features)[:rows]).double() - want.view(-1, out_features)[:rows]).abs()
-                 <= tolerance * size.view(-1, out_features)[:rows] + 1e-6).all()
+        for rows in (1, 2, 15):  # decode-sized and larger steps alike
+            part = layer(x.view(-1, in_features)[:rows]).double()
+            assert ((part - want.view(-1, out_features)[:rows]).abs()
+                    <= tolerance * size.view(-1, out_features)[:rows] + 1e-6).all(), (kernel, rows)
     chosen = Int4Linear.from_linear(plain, group)
     assert chosen.kernel == kernels[-1]
     assert f"int4 asymmetric group {group}" in chosen.weight_format
