@@ -61,7 +61,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16, auto")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
-                   help="int8: store the linear weights as per-channel int8 at load; none: as loaded")
+                   help="int8: store the linear weights as per-channel int8 at load; int4 / int4-g32: "
+                   "group-wise 4-bit (groups of 128 / 32 inputs); none: as loaded")
     p.add_argument("--num-pages", type=positive_int, default=512, help="KV cache pages")
     p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead")

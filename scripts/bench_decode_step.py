@@ -98,8 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, nargs="+", default=[128], help="N, or MIN MAX (spread)")
     p.add_argument("--attention", nargs=2, default=None, metavar=("A", "B"),
                    help="compare two attention backends (auto, sdpa, varlen, varlen-packed)")
-    p.add_argument("--quantize", choices=("int8",), default=None,
-                   help="compare the model as loaded with its int8 weight-only quantization")
+    p.add_argument("--quantize", choices=("int8", "int4", "int4-g32"), default=None,
+                   help="compare the model as loaded with its weight-only quantization (int8, or "
+                   "group-wise 4-bit int4 / int4-g32)")
     p.add_argument("--pack-hint", type=int, nargs=2, default=None, metavar=("A", "B"),
                    help="CPU: compare weights packed for oneDNN with batch hint A against hint B")
     p.add_argument("--in-place", action="store_true",

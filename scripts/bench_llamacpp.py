@@ -40,6 +40,7 @@ are issue 30's: batch 8 at least llama.cpp's, batch 1 reported.
     python scripts/bench_llamacpp.py                          # build/convert once, 3 rounds
     python scripts/bench_llamacpp.py --rounds 1 --new-tokens 16 --dtypes bf16   # quick look
     python scripts/bench_llamacpp.py --model moe              # Qwen3-MoE: bf16 and int8
+    python scripts/bench_llamacpp.py --dtypes int4 int4-km    # qil int4 vs q4_0 and Q4_K_M
 """
 
 from __future__ import annotations
@@ -65,9 +66,14 @@ from bench_moe import FULL_SHAPE as MOE_SHAPE, ensure_moe_model  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "qil"
 LLAMA_CACHE = CACHE / "llamacpp"
-TOOLS = ("llama-bench", "llama-batched-bench")
-GGUF_TYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}  # qil dtype -> its llama.cpp peer
-QIL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": None}  # int8: --int8-compute
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+# qil dtype -> its llama.cpp peer; "int4-km" is qil int4 again, measured against Q4_K_M
+GGUF_TYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "int4-km": "q4_k_m"}
+QIL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": None, "int4": None, "int4-km": None}
+# quantized qil dtypes -> their --quantize (activations in --int8-compute)
+QIL_QUANTIZE = {"int8": "int8", "int4": "int4", "int4-km": "int4"}
+# GGUF types convert_hf_to_gguf.py cannot write: llama-quantize makes them from the bf16 file
+QUANTIZED_GGUF = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 BATCHES = (8, 16)
 CONVERTER_DEPS = ("sentencepiece", "requests")  # what the converter imports beyond torch/transformers/numpy
 
@@ -262,13 +268,31 @@ def staged_checkpoint(model_dir: Path, tokenizer_dir: Path) -> Path:
     return stage
 
 
-def ensure_gguf(llama: LlamaCpp, model_dir: Path, tokenizer_dir: Path, outtype: str, skip: bool) -> Path:
+def quantize_command(llama: LlamaCpp, source: Path, out: Path, outtype: str, threads: int) -> list[str]:
+    """llama.cpp's own ``llama-quantize SOURCE OUT TYPE THREADS`` for a ``QUANTIZED_GGUF`` type."""
+    return [str(llama.tool("llama-quantize")), str(source), str(out), QUANTIZED_GGUF[outtype], str(threads)]
+
+
+def ensure_gguf(llama: LlamaCpp, model_dir: Path, tokenizer_dir: Path, outtype: str, skip: bool,
+                threads: int = 2) -> Path:
     out = LLAMA_CACHE / "gguf" / f"{model_dir.name}-{outtype}.gguf"
     newest_source = max(f.stat().st_mtime for f in [*model_dir.iterdir(), *tokenizer_dir.iterdir()])
     if out.exists() and out.stat().st_mtime >= newest_source:
         return out
     if skip:
         raise SystemExit(f"--skip-build: {out} was not converted")
+    if outtype in QUANTIZED_GGUF:
+        source = ensure_gguf(llama, model_dir, tokenizer_dir, "bf16", skip, threads)
+        partial = out.with_name(out.name + ".partial")
+        say(f"quantizing {source.name} to {QUANTIZED_GGUF[outtype]} with llama-quantize ...")
+        log = out.with_suffix(".log")
+        with log.open("w") as f:
+            r = subprocess.run(quantize_command(llama, source, partial, outtype, threads), stdout=f,
+                               stderr=subprocess.STDOUT)
+        if r.returncode != 0:
+            raise SystemExit(f"llama-quantize failed ({r.returncode}); its log {log} ends:\n" + log.read_text()[-3000:])
+        partial.rename(out)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = staged_checkpoint(model_dir, tokenizer_dir)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -369,9 +393,9 @@ def load_qil(model_dir: Path, dtype: str, args):
     import torch
     from qil_worker import Qwen3
 
-    if dtype == "int8":
+    if dtype in QIL_QUANTIZE:
         return Qwen3.from_directory(model_dir, device="cpu", dtype=getattr(torch, args.int8_compute),
-                                    quantize="int8")
+                                    quantize=QIL_QUANTIZE[dtype])
     return Qwen3.from_directory(model_dir, device="cpu", dtype=getattr(torch, QIL_DTYPES[dtype]))
 
 
@@ -453,6 +477,12 @@ RATIOS = [
     ("prefill fp32", "fp32", "prefill", 1.0),
     ("prefill bf16", "bf16", "prefill", 1.0),
     ("prefill int8 ÷ q8_0", "int8", "prefill", 1.0),
+    ("int4 b=1 ÷ q4_0", "int4", "decode1", None),
+    ("int4 b=8 ÷ q4_0", "int4", "decode8", None),
+    ("prefill int4 ÷ q4_0", "int4", "prefill", None),
+    ("int4 b=1 ÷ Q4_K_M", "int4-km", "decode1", None),
+    ("int4 b=8 ÷ Q4_K_M", "int4-km", "decode8", None),
+    ("prefill int4 ÷ Q4_K_M", "int4-km", "prefill", None),
 ]
 
 
@@ -469,7 +499,7 @@ MOE_RATIOS = [
 ]
 # per --model: the checkpoint's shape, its writer, its default directory and dtypes, its targets
 MODELS = {
-    "dense": (FULL_SHAPE, ensure_model, "bench-qwen3-0.6b-shape", list(GGUF_TYPES), RATIOS),
+    "dense": (FULL_SHAPE, ensure_model, "bench-qwen3-0.6b-shape", ["fp32", "bf16", "int8"], RATIOS),
     "moe": (MOE_SHAPE, ensure_moe_model, "bench-qwen3-moe-4l", ["bf16", "int8"], MOE_RATIOS),
 }
 
@@ -516,8 +546,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="dense", choices=list(MODELS),
                    help="dense: Qwen3-0.6B's shape; moe: bench_moe.py's Qwen3-MoE (default %(default)s)")
     p.add_argument("--dtypes", nargs="+", default=None, choices=list(GGUF_TYPES),
-                   help="qil dtypes, each against its llama.cpp peer f32/bf16/q8_0 (default: all three; "
-                        "bf16 and int8 with --model moe)")
+                   help="qil dtypes, each against its llama.cpp peer f32/bf16/q8_0/q4_0/Q4_K_M (int4-km: "
+                        "qil int4 against Q4_K_M; q4 files made by llama-quantize from the bf16 GGUF) "
+                        "(default: fp32 bf16 int8; bf16 and int8 with --model moe)")
     p.add_argument("--engines", nargs="+", default=["llama.cpp", "qil"], choices=["llama.cpp", "qil"],
                    help="measure only some engines (default: both)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default %(default)s)")
@@ -585,7 +616,7 @@ def main(argv=None) -> int:
     shape, ensure, *_ = MODELS[args.model]
     model_dir = ensure(args.model_dir, shape)
     int8 = int8_supported()
-    qil_dtypes = [d for d in args.dtypes if "qil" in args.engines and (d != "int8" or int8)]
+    qil_dtypes = [d for d in args.dtypes if "qil" in args.engines and (d not in QIL_QUANTIZE or int8)]
 
     llama, ggufs, meta = None, {}, {}
     if "llama.cpp" in args.engines:
@@ -593,7 +624,8 @@ def main(argv=None) -> int:
 
         llama = ensure_llamacpp(args)
         tokenizer_dir = ensure_tokenizer(args.tokenizer_dir, regular_tokens(shape), CORPUS_BYTES)
-        ggufs = {d: ensure_gguf(llama, model_dir, tokenizer_dir, GGUF_TYPES[d], args.skip_build) for d in args.dtypes}
+        ggufs = {d: ensure_gguf(llama, model_dir, tokenizer_dir, GGUF_TYPES[d], args.skip_build, args.threads)
+                 for d in args.dtypes}
 
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, shape["vocab_size"], (max(BATCHES), args.prompt_len), generator=g).tolist()

@@ -7,7 +7,8 @@ continuation) are then computed by each variant, teacher-forced, in one prefill 
 again one token per forward (the decode kernels):
 
 - ``int8``: every projection and the LM head quantized (``--quantize int8``'s default);
-- ``int8, LM head unquantized``: the projections only (``quantize_weights(head=False)``).
+- ``int8, LM head unquantized``: the projections only (``quantize_weights(head=False)``);
+- ``int4`` / ``int4-g32`` (``--variants``): group-wise 4-bit, groups of 128 / 32 inputs.
 
 Printed per variant: max abs logit error against the unquantized model's logits over every
 position (and the largest logit, for scale), greedy agreement (the share of continuation
@@ -17,6 +18,7 @@ greedy choices are decided by small margins: agreement here is a pessimistic fig
 
     python scripts/int8_accuracy.py
     python scripts/int8_accuracy.py --dtype float32 --prompts 2 --new-tokens 32
+    python scripts/int8_accuracy.py --variants int8 int4 int4-g32
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import FULL_SHAPE, QUICK_SHAPE, ensure_model  # noqa: E402
+
+
+VARIANTS = {"int8": "int8", "int8-body": "int8, LM head unquantized", "int4": "int4",
+            "int4-body": "int4, LM head unquantized", "int4-g32": "int4-g32",
+            "int4-g32-body": "int4-g32, LM head unquantized"}
 
 
 def greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -66,7 +73,7 @@ def load(model_dir: Path, dtype: str, variant: str):
     if variant == "none":
         return Qwen3.from_directory(model_dir, dtype=dtype)
     model = Qwen3.from_directory(model_dir, dtype=dtype, pack_weights=False)
-    model.quantize_weights("int8", head=variant == "int8")
+    model.quantize_weights(variant.removesuffix("-body"), head=not variant.endswith("-body"))
     model.pack_weights()
     return model
 
@@ -84,6 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode", action="store_true",
                    help="also compute the sequences one token per forward (the decode kernels; slow)")
     p.add_argument("--quick", action="store_true", help="tiny model (smoke test)")
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["int8", "int8-body"],
+                   help="quantizations to measure (NAME-body: the LM head left unquantized)")
     args = p.parse_args(argv)
     from qil_worker import cpu_memory
 
@@ -101,7 +110,7 @@ def main(argv=None) -> int:
     sequences = [p + c for p, c in zip(prompts, continuations)]
     want = [teacher_forced(reference, s, False) for s in sequences]
     reference_format, reference_bytes = reference.weight_summary()
-    print(f"int8 accuracy: {args.prompts} prompts x {args.prompt_len} tokens + {args.new_tokens} greedy, "
+    print(f"{'/'.join(args.variants)} accuracy: {args.prompts} prompts x {args.prompt_len} tokens + {args.new_tokens} greedy, "
           f"{args.dtype}, {torch.get_num_threads()} threads (reference {time.perf_counter() - t:.0f}s: "
           f"{reference_format}, {reference_bytes / 2**20:.1f} MiB)", flush=True)
     del reference
@@ -109,7 +118,8 @@ def main(argv=None) -> int:
 
     print(f"{'variant':28s} {'path':8s} {'max |dlogit|':>13s} {'max |logit|':>12s} {'agreement':>10s} "
           f"{'free-run match':>15s} {'weights MiB':>12s}")
-    for variant, label in (("int8", "int8"), ("int8-body", "int8, LM head unquantized")):
+    for variant in args.variants:
+        label = VARIANTS[variant]
         model = load(model_dir, args.dtype, variant)
         _, weight_bytes = model.weight_summary()
         free_run = greedy(model, prompts, args.new_tokens)

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from qil_worker.model.expert_linear import ExpertLinear
+from qil_worker.model.int4_experts import Int4ExpertLinear
+from qil_worker.model.int4_linear import GROUP_SIZES, Int4Linear, group_size_fits
 from qil_worker.model.int8_experts import Int8ExpertLinear
 from qil_worker.model.int8_linear import Int8Linear, choose_kernels
 from qil_worker.model.linear import Linear
@@ -39,20 +41,33 @@ def quantize_projections(model: nn.Module, method: str, head: bool | None = None
     """Replace each plain ``Linear`` of ``model`` (the LM head ``model.head`` unless ``head`` is
     False) by its ``method`` variant; → how many were replaced. The replaced modules' weights
     are dropped with them (a tied head's is the embedding, which stays)."""
-    if resolve_quantize(method) is None:
+    method = resolve_quantize(method)
+    if method is None:
         return 0
     head = QUANTIZE_HEAD if head is None else head
     start = time.perf_counter()
+    group_size = GROUP_SIZES.get(method)
+    int4 = 0
     swapped: list[Int8Linear] = []
     experts: list[Int8ExpertLinear] = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is ExpertLinear:
+            if type(child) is ExpertLinear and group_size and group_size_fits(child.weight.shape[2], group_size):
+                setattr(parent, name, Int4ExpertLinear.from_experts(child, group_size))
+                int4 += 1
+            elif type(child) is ExpertLinear:
                 stacked = Int8ExpertLinear.from_experts(child)
                 setattr(parent, name, stacked)
                 experts.append(stacked)
             if type(child) is not Linear or (child is getattr(model, "head", None) and not head):
                 continue
+            if group_size and group_size_fits(child.weight.shape[1], group_size):
+                setattr(parent, name, Int4Linear.from_linear(child, group_size))
+                int4 += 1
+                continue
+            if group_size:  # int4 needs whole groups along the input: this one stays int8
+                log.info("%s: in_features %d is not a multiple of %d, quantized to int8 instead",
+                         name, child.weight.shape[1], group_size)
             quantized = Int8Linear.from_linear(child)
             setattr(parent, name, quantized)
             swapped.append(quantized)
@@ -61,10 +76,11 @@ def quantize_projections(model: nn.Module, method: str, head: bool | None = None
         choose_kernels(swapped + [stack.probe() for stack in experts])
     for stack in experts:
         stack.use_kernels(stack.probe().kernels)
-    log.info("weights quantized to int8: %d projections%s (LM head %s) in %.1f s",
-             len(swapped), f", {len(experts)} stacked expert projections" if experts else "",
+    log.info("weights quantized to %s: %s%d int8 projections%s (LM head %s) in %.1f s", method,
+             f"{int4} int4 projections or expert stacks, " if group_size else "",
+             len(swapped), f", {len(experts)} int8 stacked expert projections" if experts else "",
              "yes" if head else "no", time.perf_counter() - start)
-    return len(swapped) + len(experts)
+    return int4 + len(swapped) + len(experts)
 
 
 def weight_summary(model: nn.Module) -> tuple[str, int]:

@@ -63,7 +63,9 @@ def _add_model_arguments(p: argparse._ArgumentGroup) -> None:
         "--quantize", choices=QUANTIZE_CHOICES, default="none",
         help="store the linear weights quantized at load: int8 = per-output-channel int8, "
         "activations in --dtype (half of bfloat16's weight bytes; CPU, or CUDA where torch has "
-        "the kernel); none = as loaded in --dtype",
+        "the kernel); int4 / int4-g32 = group-wise asymmetric 4-bit, one scale and zero per 128 / "
+        "32 inputs (a quarter of bfloat16's bytes; a projection whose inputs are not whole groups "
+        "stays int8); none = as loaded in --dtype",
     )
 
 

@@ -275,8 +275,8 @@ def test_weight_bytes_int8_about_half_of_bfloat16(tiny_dir):
 
 
 def test_unknown_quantization_is_a_config_error(tiny_dir):
-    with pytest.raises(ConfigError, match="quantize: 'int4' is not supported"):
-        Qwen3.from_directory(tiny_dir, quantize="int4")
+    with pytest.raises(ConfigError, match="quantize: 'int3' is not supported"):
+        Qwen3.from_directory(tiny_dir, quantize="int3")
     assert Qwen3.from_directory(tiny_dir, quantize="none").weight_summary()[0].startswith("13x float32")
 
 
@@ -326,9 +326,9 @@ def test_a_server_with_int8_reports_its_weights_in_get_info(tiny_dir):
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "--token-ids", "[1]"]])
 def test_a_bad_quantize_value_is_refused_by_the_flag(command):
-    proc = subprocess.run([sys.executable, "-m", "qil_worker", *command, "--quantize", "int4"],
+    proc = subprocess.run([sys.executable, "-m", "qil_worker", *command, "--quantize", "int3"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "argument --quantize: invalid choice: 'int4'" in proc.stderr
+    assert proc.returncode == 2 and "argument --quantize: invalid choice: 'int3'" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -342,7 +342,7 @@ def test_generate_runs_with_int8(tiny_dir):
 
 
 def test_the_flag_offers_the_worker_choices():
-    assert QUANTIZE_CHOICES == ("none", "int8")
+    assert QUANTIZE_CHOICES == ("none", "int8", "int4", "int4-g32")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,3 +69,25 @@ def test_the_moe_mode_sizes_its_tokenizer_to_the_model_and_judges_batch_8():
         assert "≥ 1.0" in b8 and b8.rstrip(" |").endswith(verdict), b8
         (b1,) = [line for line in text.splitlines() if line.startswith("| bf16 b=1 ")]
         assert "report" in b1 and "meets" not in b1 and "below" not in b1, b1
+
+
+def test_int4_rows_pair_qil_int4_with_llama_quantize_q4_files(tmp_path):
+    args = bl.parse_args(["--dtypes", "int4-km", "int4", "bf16"])
+    assert args.dtypes == ["bf16", "int4", "int4-km"]  # GGUF_TYPES' order
+    assert bl.parse_args([]).dtypes == ["fp32", "bf16", "int8"]  # int4 is opt-in
+    assert bl.QIL_QUANTIZE["int4"] == bl.QIL_QUANTIZE["int4-km"] == "int4"
+    llama = bl.LlamaCpp(src=tmp_path, bin_dir=tmp_path / "bin", package="p", commit=None)
+    cmd = bl.quantize_command(llama, tmp_path / "m-bf16.gguf", tmp_path / "m-q4_0.gguf", "q4_0", 2)
+    assert cmd == [str(tmp_path / "bin" / "llama-quantize"), str(tmp_path / "m-bf16.gguf"),
+                   str(tmp_path / "m-q4_0.gguf"), "Q4_0", "2"]
+    assert bl.quantize_command(llama, tmp_path / "a", tmp_path / "b", "q4_k_m", 1)[3] == "Q4_K_M"
+    rates = {"prefill": [100.0], "decode1": [20.0], "decode8": [60.0], "decode16": [70.0]}
+    results = {"llama.cpp q4_0": rates, "qil int4": {k: [v[0] * 0.5] for k, v in rates.items()},
+               "llama.cpp q4_k_m": rates, "qil int4-km": {k: [v[0] * 2] for k, v in rates.items()}}
+    text = bl.report(results, argparse.Namespace(dtypes=["int4", "int4-km"], prompt_len=128, model="dense"), True)
+    (q40,) = [line for line in text.splitlines() if line.startswith("| int4 b=1 ÷ q4_0 ")]
+    (km,) = [line for line in text.splitlines() if line.startswith("| int4 b=1 ÷ Q4_K_M ")]
+    assert "0.50" in q40 and "2.00" in km and "report" in q40
+    assert "llama.cpp q4_0" in text and "qil int4-km" in text
+    with pytest.raises(SystemExit):
+        bl.parse_args(["--dtypes", "int3"])

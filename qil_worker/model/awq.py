@@ -1,0 +1,68 @@
+"""AutoAWQ's 4-bit GEMM checkpoint format: its ``quantization_config`` checked strictly, and one
+linear's packed tensors unpacked into ``Int4Linear``'s codes, scales and minimums.
+
+Per linear ``<module>``: ``qweight`` [K, N/8] int32, ``qzeros`` [K/G, N/8] int32, ``scales``
+[K/G, N] fp16 (K inputs, N outputs, G the group size). Each int32 holds eight 4-bit values of
+consecutive outputs ``8j .. 8j+7``, nibble ``i`` (bits 4i..4i+3) holding output ``8j +
+AWQ_ORDER[i]``. The weight is ``w[k, n] = (q[k, n] − z[k // G, n]) · s[k // G, n]``, i.e.
+``q·s + m`` with ``m = −z·s``: the form ``int4_linear`` keeps.
+
+Not yet wired into the loader (see docs/quantization.md): ``unpack`` is what it will call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qil_worker.errors import ConfigError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# natural output r of a block of eight sits in nibble AWQ_REVERSE_ORDER[r]
+AWQ_REVERSE_ORDER = tuple(AWQ_ORDER.index(r) for r in range(8))
+SUPPORTED = {"bits": 4, "zero_point": True, "version": "gemm"}
+
+
+def check_config(raw: dict[str, Any]) -> int:
+    """A ``quantization_config`` with ``quant_method: awq`` → its group size; anything but
+    4-bit GEMM with zero points is a ``ConfigError`` naming the key."""
+    for key, want in SUPPORTED.items():
+        value = raw.get(key, want if key == "zero_point" else None)
+        if isinstance(value, str):
+            value = value.lower()
+        if value != want:
+            raise ConfigError(f"quantization_config.{key}: {raw.get(key)!r} is not supported for awq (only {want!r})")
+    group = raw.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
+        raise ConfigError(f"quantization_config.group_size: {group!r} is not supported for awq (a positive integer)")
+    return group
+
+
+def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C/8] in AWQ's interleaved nibble order → uint8 [R, C] in natural order."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.to(torch.int32)[..., None] >> shifts) & 15  # [R, C/8, 8] by nibble
+    order = torch.tensor(AWQ_REVERSE_ORDER, device=packed.device)
+    return nibbles[..., order].reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def unpack(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+           dtype: torch.dtype, name: str = "linear") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AWQ linear → (codes uint8 [N, K], scales [N, K/G], mins [N, K/G] in ``dtype``) for
+    ``Int4Linear``; a layout that does not fit is a ``ValueError`` naming ``name``'s tensor."""
+    k, n8 = qweight.shape
+    n = 8 * n8
+    want = {"qweight": ((k, n8), torch.int32), "qzeros": ((k // group_size, n8), torch.int32),
+            "scales": ((k // group_size, n), None)}
+    if k % group_size:
+        raise ValueError(f"{name}.qweight: {k} inputs are not a multiple of group_size {group_size}")
+    for key, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+        shape, tensor_dtype = want[key]
+        if tuple(tensor.shape) != shape or (tensor_dtype is not None and tensor.dtype != tensor_dtype):
+            raise ValueError(f"{name}.{key}: expected shape {list(shape)}"
+                             f"{'' if tensor_dtype is None else ' int32'}, got {list(tensor.shape)} {tensor.dtype}")
+    codes = unpack_columns(qweight).t().contiguous()
+    zeros = unpack_columns(qzeros).float()
+    scale = scales.float()
+    return codes, scale.t().to(dtype).contiguous(), (-zeros * scale).t().to(dtype).contiguous()
