@@ -43,9 +43,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved A/B rounds")
     parser.add_argument("--iters", type=int, default=50, help="calls per round")
-    parser.add_argument("--linear", choices=("custom", "mkldnn", "outside"), default="custom",
+    parser.add_argument("--linear", choices=("custom", "mkldnn", "outside", "freezing"), default="custom",
                         help="the projections: in the graph as our opaque custom op, or as torch's mkldnn op (inductor lowers it); "
-                             "or outside: the graphs are only the element-wise pieces between projections")
+                             "or outside: the graphs are only the element-wise pieces between projections; "
+                             "or freezing: the layer's plain weights frozen into the graph, inductor packing them itself")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from qil_worker.config import Qwen3Config
@@ -58,6 +59,8 @@ def main() -> None:
     layer = DecoderLayer(0, config, dtype, torch.device("cpu"))
     for name, p in layer.named_parameters():
         p.data.fill_(1.0) if "norm" in name else p.data.normal_(0, 0.02)
+    plain = DecoderLayer(0, config, dtype, torch.device("cpu"))
+    plain.load_state_dict(layer.state_dict())
     assert layer.pack_weights(), "packing unsupported here"
     rope_table = Qwen3(Qwen3Config.from_dict(dict(QWEN3_06B, vocab_size=16)), dtype=dtype).rope
     nq, nkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -80,14 +83,30 @@ def main() -> None:
         g, u = lin(h, w["gate"]), lin(h, w["up"])
         return x + lin(torch.nn.functional.silu(g) * u, w["down"])
 
-    def eager_pre(x, cos, sin):  # the model's own code path
+    def model_pre(layer, x, cos, sin):  # the model's own code path
         h = layer.input_norm(x)
         qk, v = layer.qk_proj(h), layer.v_proj(h)
         return apply_rope(layer.qk_norm(qk.view(x.shape[0], nq + nkv, d)), cos, sin), v
 
-    def eager_post(x, attn):
+    def model_post(layer, x, attn):
         x = x + layer.o_proj(attn)
         return x + layer.mlp(layer.post_attention_norm(x))
+
+    def eager_pre(x, cos, sin):
+        return model_pre(layer, x, cos, sin)
+
+    def eager_post(x, attn):
+        return model_post(layer, x, attn)
+
+    class Region(torch.nn.Module):
+        """A region over the plain (unpacked) layer, for inductor's freezing to pack."""
+
+        def __init__(self, fn) -> None:
+            super().__init__()
+            self.layer, self.fn = plain, fn
+
+        def forward(self, *args):
+            return self.fn(self.layer, *args)
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, dtype {args.dtype}, linear {args.linear}")
@@ -116,12 +135,15 @@ def main() -> None:
         torch._dynamo.reset()
         if args.linear == "outside":
             c_pre, c_post = regions_between_projections()
+        elif args.linear == "freezing":
+            torch._inductor.config.freezing = True
+            c_pre, c_post = compiled(Region(model_pre).eval()), compiled(Region(model_post).eval())
         else:
             c_pre, c_post = compiled(pre), compiled(post)
         x = torch.randn(batch, config.hidden_size, dtype=dtype)
         attn = torch.randn(batch, nq * d, dtype=dtype)
         cos, sin = rope_table.lookup(torch.arange(5, 5 + batch))
-        with torch.inference_mode():
+        with torch.no_grad() if args.linear == "freezing" else torch.inference_mode():
             t = time.perf_counter()
             c_pre(x, cos, sin), c_post(x, attn)
             compile_s = time.perf_counter() - t
