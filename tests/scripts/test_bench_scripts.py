@@ -142,3 +142,11 @@ def test_tp_benchmark_reports_each_tp_size_and_its_ranks(tmp_path):
     tp2 = next(line for line in out.stdout.splitlines() if line.startswith("TP 2 "))
     assert "rank 0:" in tp1 and "rank 1:" not in tp1
     assert "rank 1:" in tp2 and "all-reduce" in tp2 and float(tp2.split(": ")[1].split()[0]) > 0
+
+
+def test_compiled_layer_probe_documents_its_flags():
+    proc = run_script("bench_compiled_layer.py", "--help")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for flag in ("--batch", "--dtype", "--threads", "--rounds", "--iters", "--linear"):
+        assert flag in proc.stdout
+    assert all(mode in proc.stdout for mode in ("custom", "mkldnn", "outside", "freezing"))
