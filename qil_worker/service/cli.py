@@ -13,6 +13,7 @@ from qil_worker.attention.names import ATTENTION_CHOICES
 from qil_worker.cli_args import byte_size, fraction, non_negative_int, port_number, positive_int, positive_seconds
 from qil_worker.engine.config import EngineConfig  # torch-free
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
+from qil_worker.task import TASKS
 from qil_worker.quantization import QUANTIZE_CHOICES
 from qil_worker.service.front import limits
 from qil_worker.service import logs
@@ -64,6 +65,12 @@ def _add_model_arguments(p: argparse._ArgumentGroup) -> None:
         help="store the linear weights quantized at load: int8 = per-output-channel int8, "
         "activations in --dtype (half of bfloat16's weight bytes; CPU, or CUDA where torch has "
         "the kernel); none = as loaded in --dtype",
+    )
+    p.add_argument(
+        "--task", choices=TASKS, default="auto",
+        help="what the server is for: auto = embed for an embedding checkpoint (no LM head, or a "
+        "sentence-transformers directory), else generate (which also serves Embed and Rerank); "
+        "generate, embed or rerank = only those requests, the others refused",
     )
 
 
@@ -254,6 +261,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         dtype=args.dtype,
         threads=args.threads,
         quantize=None if args.quantize == "none" else args.quantize,
+        task=args.task,
         engine=engine_config(args),
         kv_memory_bytes=args.kv_memory_bytes,
         kv_memory_fraction=args.kv_memory_fraction,
