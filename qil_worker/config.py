@@ -137,6 +137,8 @@ class Qwen3Config:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # an embedding model loaded without its (absent) LM head: ``embedding_checkpoint.detect``
+    headless: bool = False
 
     @property
     def num_query_groups(self) -> int:
@@ -167,7 +169,7 @@ class Qwen3Config:
         router = self.num_experts * h
         sparse = len(self.sparse_layers)
         dense = self.num_hidden_layers - sparse
-        outer = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        outer = self.vocab_size * h * (1 if self.tie_word_embeddings or self.headless else 2) + h
         shared = outer + self.num_hidden_layers * attention + dense * dense_mlp + sparse * router
         return ParameterCount(
             total=shared + sparse * self.num_experts * expert,

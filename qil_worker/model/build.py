@@ -9,6 +9,7 @@ sparse layers).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ def build_model(
     fp8: str = "auto",
     quantize: str | None = None,
     parallel: ParallelState = SINGLE,
+    embedding: bool = False,
 ) -> nn.Module:
     """Load a Hugging Face Qwen3 or Qwen3-MoE directory strictly (see ``loader.load_weights``)
     into a new ``model_class`` (``Qwen3``).
@@ -52,15 +54,20 @@ def build_model(
     checkpoint is then dequantized first, whatever ``fp8`` says. ``parallel``: this rank's place
     in a tensor-parallel group; the model is refused (``ConfigError`` naming the fields and the
     sizes that work) unless its shapes split over ``parallel.world_size``, and the rank loads only
-    its slices of the weights.
+    its slices of the weights. ``embedding``: the caller serves it as an embedding model, so a
+    headless checkpoint (``embedding_checkpoint.detect``) loads without an LM head; otherwise
+    a missing head is an error like any missing tensor.
     """
     from qil_worker.model import fp8_linear
+    from qil_worker.model.embedding_checkpoint import has_lm_head
     from qil_worker.model.loader import load_weights, stored_dtype
 
     if fp8 not in ("auto", "dequantize"):
         raise ConfigError(f"fp8: expected 'auto' or 'dequantize', got {fp8!r}")
 
     config = Qwen3Config.from_directory(path)
+    if embedding and not has_lm_head(Path(path), config):
+        config = dataclasses.replace(config, headless=True)
     check_tp_size(config, parallel.world_size)
     quantize = resolve_quantize(quantize)
     device = resolve_device(device)

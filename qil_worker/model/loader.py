@@ -126,9 +126,13 @@ def check_weights(
             problems.append(f"unknown: {name} (shape {found[name][1]})")
     problems.extend(fp8_problems)
     if problems:
+        hint = ""
+        if TIED_HEAD in targets and TIED_HEAD not in found:
+            hint = (f"\n(a checkpoint without {TIED_HEAD} loads only as an embedding model: "
+                    "from_directory(..., embedding=True))")
         raise WeightError(
             f"checkpoint does not match the config ({len(problems)} problem(s)):\n  "
-            + "\n  ".join(problems)
+            + "\n  ".join(problems) + hint
         )
 
 

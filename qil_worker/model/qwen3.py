@@ -176,12 +176,11 @@ class Qwen3(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        # tied: the LM head is the embedding table itself (until packing gives it its own copy)
-        self.head = Linear(
-            rows, config.hidden_size, dtype, device,
-            weight=self.embed if config.tie_word_embeddings else None,
-        )
-        if parallel.sharded and not config.tie_word_embeddings:
+        # tied: the LM head is the embedding table itself (until packing gives it its own copy);
+        # headless (an embedding model, which serves no generation): no head weights of its own
+        shares = config.tie_word_embeddings or config.headless
+        self.head = Linear(rows, config.hidden_size, dtype, device, weight=self.embed if shares else None)
+        if parallel.sharded and not shares:
             self.head.weight.data.zero_()
         self.rope = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, dtype, device
@@ -189,8 +188,9 @@ class Qwen3(nn.Module):
 
     @property
     def lm_head(self) -> torch.Tensor | None:
-        """The untied LM head's weight (None when the head is the embedding table)."""
-        return None if self.config.tie_word_embeddings else self.head.weight
+        """The untied LM head's weight (None when the head is the embedding table, or there is
+        none: a headless embedding model)."""
+        return None if self.config.tie_word_embeddings or self.config.headless else self.head.weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -226,12 +226,13 @@ class Qwen3(nn.Module):
         fp8: str = "auto",
         quantize: str | None = None,
         parallel: ParallelState = SINGLE,
+        embedding: bool = False,
     ) -> "Qwen3":
         """Load a Hugging Face Qwen3 or Qwen3-MoE directory strictly: ``build.build_model``,
         whose docstring says what each argument does."""
         return build_model(cls, path, device=device, dtype=dtype, pack_weights=pack_weights,
                            fused_projections=fused_projections, fp8=fp8, quantize=quantize,
-                           parallel=parallel)
+                           parallel=parallel, embedding=embedding)
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name → the (view of the) parameter it is loaded into (this rank's

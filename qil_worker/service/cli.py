@@ -13,6 +13,7 @@ from qil_worker.attention.names import ATTENTION_CHOICES
 from qil_worker.cli_args import byte_size, fraction, non_negative_int, port_number, positive_int, positive_seconds
 from qil_worker.engine.config import EngineConfig  # torch-free
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
+from qil_worker.task import TASKS
 from qil_worker.quantization import QUANTIZE_CHOICES
 from qil_worker.service.front import limits
 from qil_worker.service import logs
@@ -66,6 +67,12 @@ def _add_model_arguments(p: argparse._ArgumentGroup) -> None:
         "the kernel); int4 / int4-g32 = group-wise asymmetric 4-bit, one scale and zero per 128 / "
         "32 inputs (a quarter of bfloat16's bytes; a projection whose inputs are not whole groups "
         "stays int8); none = as loaded in --dtype",
+    )
+    p.add_argument(
+        "--task", choices=TASKS, default="auto",
+        help="what the server is for: auto = embed for an embedding checkpoint (no LM head, or a "
+        "sentence-transformers directory), else generate (which also serves Embed and Rerank); "
+        "generate, embed or rerank = only those requests, the others refused",
     )
 
 
@@ -256,6 +263,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         dtype=args.dtype,
         threads=args.threads,
         quantize=None if args.quantize == "none" else args.quantize,
+        task=args.task,
         engine=engine_config(args),
         kv_memory_bytes=args.kv_memory_bytes,
         kv_memory_fraction=args.kv_memory_fraction,

@@ -88,6 +88,8 @@ class WorkerConfig:
     dtype: str | None = None
     threads: int | None = None
     quantize: str | None = None
+    # what the server is for (``qil_worker.task``): auto, generate, embed or rerank
+    task: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_memory_bytes: int | None = None
     kv_memory_fraction: float | None = None
@@ -195,6 +197,9 @@ class WorkerInfo:
     num_experts_per_tok: int = 0
     num_parameters: int = 0
     num_active_parameters: int = 0
+    # the resolved task (``qil_worker.task``) and whether it was asked for rather than detected
+    task: str = "generate"
+    task_explicit: bool = False
 
 
 @message

@@ -1,5 +1,5 @@
 """``/v1/embeddings`` with the official openai SDK (float and its default base64) and
-``/v1/rerank`` over raw HTTP, on a real server: the same answers as gRPC's Embed and Rerank,
+``/v1/rerank`` and ``/v1/score`` over raw HTTP, on a real server: the same answers as gRPC's Embed and Rerank,
 errors in the API's shape naming the field, every page free afterwards."""
 
 from __future__ import annotations
@@ -7,20 +7,33 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
 
-from checkpoints import make_judge_checkpoint
+from checkpoints import load_reference, make_judge_checkpoint
 from qil_client import Client
+from qil_worker.text.rerank_prompt import rerank_prompt
 from service_fixtures import http_base_url, openai_client, start_http_server, wait_until
 
 ENGINE = dict(num_pages=64, page_size=8, token_budget=128, prefill_chunk=32, max_active=8)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_http_server(make_judge_checkpoint(tmp_path_factory.mktemp("http-judge")), engine=ENGINE,
-                            served_model_name="judge")
+def judge_dir(tmp_path_factory):
+    return make_judge_checkpoint(tmp_path_factory.mktemp("http-judge"))
+
+
+@pytest.fixture(scope="module")
+def server(judge_dir):
+    srv = start_http_server(judge_dir, engine=ENGINE, served_model_name="judge")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(judge_dir):
+    from transformers import AutoTokenizer
+
+    return load_reference(judge_dir), AutoTokenizer.from_pretrained(judge_dir)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +84,38 @@ def test_rerank_answers_as_grpc_does_in_vllms_shape(server, grpc_client):
     wait_until(lambda: idle(grpc_client))
 
 
+def _judge(reference, pairs):
+    """P(yes) of each (query, document) by the softmax over transformers' no/yes logits."""
+    ref, tok = reference
+    yes, no = tok.convert_tokens_to_ids(["yes", "no"])
+    scores = []
+    for query, doc in pairs:
+        ids = tok(rerank_prompt(query, doc), add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids])).logits[0, -1]
+        scores.append(torch.softmax(logits[[no, yes]], dim=-1)[1].item())
+    return scores
+
+
+def test_score_is_the_judges_p_yes_one_to_many_and_pairwise(server, grpc_client, reference):
+    url = f"http://127.0.0.1:{server.http_port}/v1/score"
+    docs = ["on the mat", "in the box", "the dog barks"]
+    body = httpx.post(url, json={"model": "judge", "text_1": "where do cats sleep", "text_2": docs},
+                      timeout=60).json()
+    assert body["object"] == "list" and body["usage"]["total_tokens"] > 0
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and {d["object"] for d in body["data"]} == {"score"}
+    for got, want in zip(body["data"], _judge(reference, [("where do cats sleep", d) for d in docs])):
+        assert got["score"] == pytest.approx(want, abs=1e-5)
+    pairs = [("where do cats sleep", "on the mat"), ("what barks", "the dog barks")]
+    pairwise = httpx.post(url, json={"text_1": [q for q, _ in pairs], "text_2": [d for _, d in pairs]},
+                          timeout=60).json()["data"]
+    for got, want in zip(pairwise, _judge(reference, pairs)):
+        assert got["score"] == pytest.approx(want, abs=1e-5)
+    single = httpx.post(url, json={"text_1": "what barks", "text_2": "the dog barks"}, timeout=60).json()["data"]
+    assert len(single) == 1 and single[0]["score"] == pytest.approx(pairwise[1]["score"], abs=1e-6)
+    wait_until(lambda: idle(grpc_client))
+
+
 @pytest.mark.parametrize(
     "path, body, field",
     [
@@ -85,6 +130,11 @@ def test_rerank_answers_as_grpc_does_in_vllms_shape(server, grpc_client):
         ("/v1/rerank", {"query": 3, "documents": ["a"]}, "query"),
         ("/v1/rerank", {"query": "q", "documents": [{"title": "a"}]}, "documents[0]"),
         ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -2}, "top_n"),
+        ("/v1/score", {"text_2": "a"}, "text_1"),
+        ("/v1/score", {"text_1": "q", "text_2": []}, "text_2"),
+        ("/v1/score", {"text_1": "q", "text_2": ["a", 3]}, "text_2"),
+        ("/v1/score", {"text_1": ["q", "r"], "text_2": ["a", "b", "c"]}, "text_2"),
+        ("/v1/score", {"text_1": "q", "text_2": "a", "instruction": 1}, "instruction"),
     ],
 )
 def test_bad_calls_are_errors_naming_the_field(server, grpc_client, path, body, field):

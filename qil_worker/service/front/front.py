@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from qil_worker.engine.spec import Prompt, RequestSpec  # torch-free
-from qil_worker.errors import CapacityError
+from qil_worker.errors import CapacityError, InvalidRequestError
 from qil_worker.request_limits import MAX_REQUEST_ID_LENGTH
+from qil_worker.task import refusal as task_refusal
 from qil_worker.service.front import limits
 from qil_worker.service import protocol as P
 from qil_worker.service.front.calls_in_flight import CallsInFlight
@@ -274,6 +275,16 @@ class Front:
         elif self.info is not None:
             self._refuse_text_too_long(prompt.min_tokens, max_new_tokens, prompt.given[0])
 
+    def _refuse_off_task(self, spec: RequestSpec) -> None:
+        """Refuse a request this server's task does not serve (``qil_worker.task``)."""
+        info = self.info
+        if info is None:
+            return
+        kind = "generate" if spec.pooling is None else spec.pooling.kind
+        why = task_refusal(info.task, kind, info.task_explicit)
+        if why is not None:
+            raise from_worker_rejection(*classify_engine_error(InvalidRequestError("task", why)))
+
     async def submit(self, request_id: str, spec: RequestSpec) -> FrontRequest:
         """Queue a request in the worker; returns once the engine accepted it.
 
@@ -283,6 +294,7 @@ class Front:
         (``freed_memory``).
         """
         with _released_when_outsized(spec):
+            self._refuse_off_task(spec)
             rid = self._admit(request_id)
             prompt, max_new_tokens = spec.prompt, spec.max_new_tokens
             if prompt.token_ids is not None:

@@ -94,14 +94,24 @@ async def rerank(
 ) -> tuple[list[tuple[int, float]], int]:
     """Each document judged against ``query`` in Qwen3-Reranker's prompt → ((index, P(yes)) best
     first, the best ``top_n`` when given and not 0; the prompt tokens of them all)."""
-    check_inputs("documents", len(documents))
+    scores, tokens = await score_pairs(front, [(query, doc) for doc in documents], instruction, timeout_s)
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    return [(i, scores[i]) for i in order[: top_n or None]], tokens
+
+
+async def score_pairs(
+    front: "Front", pairs: list[tuple[str, str]], instruction: str | None, timeout_s: float | None,
+    field: str = "documents",
+) -> tuple[list[float], int]:
+    """Each (query, document) pair's P(yes) in Qwen3-Reranker's prompt, in the pairs' order,
+    and the prompt tokens of them all; a refused pair is blamed on ``field[i]``."""
+    check_inputs(field, len(pairs))
     inputs = [
-        PooledInput(f"documents[{i}]", Prompt(text=rerank_prompt(query, doc, instruction)))
-        for i, doc in enumerate(documents)
+        PooledInput(f"{field}[{i}]", Prompt(text=rerank_prompt(query, doc, instruction)))
+        for i, (query, doc) in enumerate(pairs)
     ]
     finals = await run_pooled(front, inputs, pooled_specs(inputs, Pooling("score")), timeout_s)
-    order = sorted(range(len(finals)), key=lambda i: -finals[i].pooled)
-    return [(i, finals[i].pooled) for i in order[: top_n or None]], sum(f.num_prompt_tokens for f in finals)
+    return [f.pooled for f in finals], sum(f.num_prompt_tokens for f in finals)
 
 
 def _blamed(err: ServiceError, item_field: str) -> ServiceError:

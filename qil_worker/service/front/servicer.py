@@ -278,6 +278,7 @@ def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:
         num_experts_per_tok=info.num_experts_per_tok,
         num_parameters=info.num_parameters,
         num_active_parameters=info.num_active_parameters,
+        task=info.task,
     )
     engine_limits = pb.EngineLimits(
         page_size=info.page_size,

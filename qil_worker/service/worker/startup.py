@@ -48,8 +48,10 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         log.info("serving the embedded DEMO model (random weights) from %s", model_dir)
     t0 = time.perf_counter()
     parallel = _tensor_parallel(config, model_dir)
+    task = _resolve_task(config.task, model_dir)
     model = Qwen3.from_directory(
         model_dir, device=config.device, dtype=config.dtype, quantize=config.quantize, parallel=parallel,
+        embedding=task == "embed",
     )
     weight_format, weight_bytes = model.weight_summary()
     cfg = model.config
@@ -116,12 +118,14 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         num_experts_per_tok=cfg.num_experts_per_tok,
         num_parameters=count.total,
         num_active_parameters=count.active,
+        task=task,
+        task_explicit=config.task != "auto",
     )
     log.info(
-        "model %s loaded and warm in %.2fs: %s; dtype %s, device %s, weights %s (%s); %d KV pages (%s); memory: %s; "
+        "model %s (task %s) loaded and warm in %.2fs: %s; dtype %s, device %s, weights %s (%s); %d KV pages (%s); memory: %s; "
         "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
         "overlapped scheduling: %s; structured output: %s; %d start-up objects frozen for the GC",
-        info.name, time.perf_counter() - t0, cfg.describe(), info.dtype, info.device, info.weight_format,
+        info.name, info.task, time.perf_counter() - t0, cfg.describe(), info.dtype, info.device, info.weight_format,
         _mib(info.weight_bytes), pool.num_pages,
         info.kv_pool, info.memory, tokenizer_dir or "none", "on" if info.prefix_cache else "off",
         info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off",
@@ -272,3 +276,12 @@ def pool_stats(engine: Any) -> P.PoolStats:
         s.num_pages_total, s.num_pages_used, s.num_pages_free, s.num_running, s.num_waiting,
         s.num_pages_cached, float(s.prefix_cache_hit_rate),
     )
+
+
+def _resolve_task(requested: str, model_dir: str) -> str:
+    """The server's task (``qil_worker.task.resolve``) from the checkpoint's embedding marks."""
+    from qil_worker.model.embedding_checkpoint import detect
+    from qil_worker.task import resolve
+
+    found = detect(model_dir)
+    return resolve(requested, found is not None, found is not None and found.headless)

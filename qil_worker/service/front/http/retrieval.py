@@ -1,5 +1,5 @@
-"""``POST /v1/embeddings`` as the OpenAI API defines it, and ``POST /v1/rerank`` in the shape
-vLLM, Jina and Cohere use: both over the front's pooled calls (``front.pooled_calls``), as the
+"""``POST /v1/embeddings`` as the OpenAI API defines it, ``POST /v1/rerank`` in the shape
+vLLM, Jina and Cohere use, and vLLM's ``POST /v1/score``: all over the front's pooled calls (``front.pooled_calls``), as the
 gRPC Embed and Rerank are."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from qil_worker.service.front.http.params import completion_prompts
 from qil_worker.service.front.http.shapes import new_id
 from qil_worker.service.front.http.sse import dumps
 from qil_worker.service.front.http.tokens import check_model
-from qil_worker.service.front.pooled_calls import PooledInput, check_inputs, pooled_specs, run_pooled
+from qil_worker.service.front.pooled_calls import PooledInput, check_inputs, pooled_specs, run_pooled, score_pairs
 from qil_worker.service.front.pooled_calls import rerank as rerank_documents
 
 if TYPE_CHECKING:
@@ -91,6 +91,37 @@ async def rerank(ctx: "HttpContext", request: web.Request) -> web.Response:
         "id": new_id("rerank"), "model": ctx.model_name, "results": results,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }, dumps=dumps)
+
+
+async def score(ctx: "HttpContext", request: web.Request) -> web.Response:
+    """vLLM's ``/v1/score``: ``text_1`` and ``text_2`` each a string or strings, paired one to
+    many (one ``text_1``) or one to one (lists of a length), ``instruction`` optional → each
+    pair's P(yes) (the Rerank judge's) in ``text_2``'s order."""
+    body = await read_body(request)
+    check_model(ctx, body)
+    firsts, seconds = _texts(body, "text_1"), _texts(body, "text_2")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    elif len(firsts) != len(seconds):
+        raise invalid("text_2", f"has {len(seconds)} texts; text_1 has {len(firsts)} (expected 1 or as many)")
+    instruction = body.get("instruction")
+    if instruction is not None and not isinstance(instruction, str):
+        raise invalid("instruction", "must be a string")
+    scores, tokens = await score_pairs(ctx.front, list(zip(firsts, seconds)), instruction, None, field="text_2")
+    return web.json_response({
+        "id": new_id("score"), "object": "list", "model": ctx.model_name,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }, dumps=dumps)
+
+
+def _texts(body: dict, field: str) -> list[str]:
+    value = body.get(field)
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return value
+    raise invalid(field, "must be a string or a non-empty array of strings")
 
 
 def _document_text(document: Any, index: int) -> str:

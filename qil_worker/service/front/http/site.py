@@ -63,6 +63,7 @@ def make_app(ctx: HttpContext) -> web.Application:
     app.router.add_post("/v1/embeddings", functools.partial(retrieval.embeddings, ctx))
     app.router.add_post("/v1/rerank", functools.partial(retrieval.rerank, ctx))
     app.router.add_post("/rerank", functools.partial(retrieval.rerank, ctx))  # vLLM serves both
+    app.router.add_post("/v1/score", functools.partial(retrieval.score, ctx))
     # vLLM's tokenizer routes, at the root as vLLM serves them
     app.router.add_post("/tokenize", functools.partial(tokens.tokenize, ctx))
     app.router.add_post("/detokenize", functools.partial(tokens.detokenize, ctx))

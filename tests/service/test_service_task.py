@@ -1,0 +1,85 @@
+"""serve --task over a real server (its worker spawned): a headless embedding checkpoint is
+detected and served as ``embed`` (transformers' Qwen3Model pooling), generation refused naming
+the task; an explicit generate task refuses Embed and Rerank; GetInfo tells the task."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from checkpoints import make_checkpoint, make_judge_checkpoint
+from qil_client import Client, InvalidArgument
+from qil_worker.errors import ConfigError
+from qil_worker.task import resolve
+from service_fixtures import http_base_url, start_http_server, start_server, wait_until
+
+ENGINE = dict(num_pages=64, page_size=8, token_budget=128, prefill_chunk=32, max_active=8)
+
+
+@pytest.fixture(scope="module")
+def headless_dir(tmp_path_factory):
+    """A Qwen3-Embedding-8B-shaped checkpoint: untied config, base-model names, no LM head."""
+    path = make_checkpoint(tmp_path_factory.mktemp("headless") / "m", seed=6, tie_word_embeddings=False)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file({name.removeprefix("model."): t for name, t in tensors.items()}, path / "model.safetensors")
+    return path
+
+
+def idle(client: Client) -> bool:
+    info = client.info()
+    return info.num_unfinished == 0 and info.pages.used == 0
+
+
+def test_a_headless_checkpoint_serves_embeddings_and_refuses_generation(headless_dir):
+    from transformers import Qwen3Model
+
+    reference = Qwen3Model.from_pretrained(headless_dir).eval()
+    srv = start_http_server(headless_dir, engine=ENGINE, use_tokenizer=False)
+    try:
+        with Client(srv.target, timeout=60) as client:
+            assert client.info().model.task == "embed"
+            prompts = [[5, 6, 7, 8], [9], list(range(1, 40))]
+            for vector, ids in zip(client.embed(prompts).vectors, prompts):
+                with torch.no_grad():
+                    want = F.normalize(reference(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+                assert F.cosine_similarity(torch.tensor(vector), want, dim=0).item() >= 0.99999
+            with pytest.raises(InvalidArgument, match="this server's task is embed"):
+                client.submit([5, 6, 7], max_new_tokens=4)
+            with pytest.raises(InvalidArgument, match="this server's task is embed"):
+                client.generate([5, 6, 7], max_new_tokens=4)
+            with pytest.raises(InvalidArgument, match="this server's task is embed"):
+                client.rerank("q", ["a doc"])
+            reply = httpx.post(f"{http_base_url(srv)}/completions", timeout=60,
+                               json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 2})
+            assert reply.status_code == 400 and "this server's task is embed" in reply.text
+            wait_until(lambda: idle(client))
+    finally:
+        srv.stop()
+
+
+def test_an_explicit_generate_task_refuses_embed_and_rerank(tmp_path):
+    srv = start_server(make_judge_checkpoint(tmp_path / "judge"), engine=ENGINE, task="generate")
+    try:
+        with Client(srv.target, timeout=60) as client:
+            assert client.info().model.task == "generate"
+            with pytest.raises(InvalidArgument, match="this server's task is generate"):
+                client.embed(["hello"])
+            with pytest.raises(InvalidArgument, match="this server's task is generate"):
+                client.rerank("q", ["a doc"])
+            assert client.generate([5, 6, 7], max_new_tokens=2) is not None
+            wait_until(lambda: idle(client))
+    finally:
+        srv.stop()
+
+
+def test_task_resolution():
+    assert resolve("auto", embedding_checkpoint=True, headless=True) == "embed"
+    assert resolve("auto", embedding_checkpoint=False, headless=False) == "generate"
+    assert resolve("rerank", embedding_checkpoint=False, headless=False) == "rerank"
+    for task in ("generate", "rerank"):
+        with pytest.raises(ConfigError, match=f"task {task}: the checkpoint has no LM head"):
+            resolve(task, embedding_checkpoint=True, headless=True)
