@@ -20,6 +20,7 @@ the speed-up.
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16 --quantize int8
     python scripts/bench_decode_step.py --batch 1 8 --pack-hint 1 8
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 --in-place
+    python scripts/bench_decode_step.py --device cuda --batch 256 --prompt-len 100 2000 --profile 3
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def prompt_lengths(batch: int, spec: list[int]) -> list[int]:
     return [low + (high - low) * b // max(1, batch - 1) for b in range(batch)]
 
 
-def time_steps(model, batch: int, prompt_len: list[int], steps: int, cuda_graphs: bool | None, page_size: int,
-               attention: str = "auto") -> float:
-    """Mean seconds per decode step of ``batch`` requests."""
+def prefilled_engine(model, batch: int, prompt_len: list[int], steps: int, cuda_graphs: bool | None,
+                     page_size: int, attention: str = "auto"):
+    """An engine whose ``batch`` requests are all prefilled and decoding, with room for ``steps``
+    more decode steps (and the warm-up ones)."""
     from qil_worker import Engine
 
     lengths = prompt_lengths(batch, prompt_len)
@@ -62,6 +64,13 @@ def time_steps(model, batch: int, prompt_len: list[int], steps: int, cuda_graphs
         started.update(e.request_id for e in engine.step() if e.token_id is not None)
     for _ in range(3):  # capture the graph, warm up
         engine.step()
+    return engine
+
+
+def time_steps(model, batch: int, prompt_len: list[int], steps: int, cuda_graphs: bool | None, page_size: int,
+               attention: str = "auto") -> float:
+    """Mean seconds per decode step of ``batch`` requests."""
+    engine = prefilled_engine(model, batch, prompt_len, steps, cuda_graphs, page_size, attention)
     t0 = time.perf_counter()
     for _ in range(steps):
         events = engine.step()
@@ -69,6 +78,29 @@ def time_steps(model, batch: int, prompt_len: list[int], steps: int, cuda_graphs
     elapsed = (time.perf_counter() - t0) / steps
     engine.close()
     return elapsed
+
+
+def profile_steps(model, batch: int, prompt_len: list[int], steps: int, page_size: int, attention: str,
+                  top: int = 15) -> None:
+    """Prints where ``steps`` eager decode steps of ``batch`` requests spend the device's time (the
+    CPU's on CPU), by operator, with torch.profiler. Eager, so every kernel is its own row: a
+    graph replays the same kernels, without the launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import torch
+
+    engine = prefilled_engine(model, batch, prompt_len, steps, False, page_size, attention)
+    cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize(model.device)
+    engine.close()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"profile: {steps} eager decode steps of {batch} requests, {attention} attention, by {key}")
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
 @contextlib.contextmanager
@@ -109,6 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="tiny model (smoke test)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="then profile STEPS eager decode steps at the largest batch (torch.profiler, "
+                   "by device time per operator) with the second backend/variant's attention")
     args = p.parse_args(argv)
     from qil_worker import cpu_memory
 
@@ -161,6 +196,8 @@ def main(argv=None) -> int:
         quick = time_steps(fast[0], batch, args.prompt_len, args.steps, fast[1], args.page_size, fast[2])
         print(f"{batch:>6}{1000 * slow:>10.2f}{1000 * quick:>10.2f}{batch / slow:>13.0f}{batch / quick:>13.0f}"
               f"{slow / quick:>9.2f}x", flush=True)
+    if args.profile:
+        profile_steps(fast[0], max(args.batch), args.prompt_len, args.profile, args.page_size, fast[2])
     return 0
 
 

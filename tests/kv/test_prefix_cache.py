@@ -77,7 +77,9 @@ def test_outputs_identical_with_and_without_cache(model, sampling):
 
 def test_requests_arriving_together_compute_a_shared_prefix_once(model, ref):
     prompts = _shared_prompts(random.Random(8), 4)  # 9 full pages of prefix, then their own tokens
-    engine = Engine(model, num_pages=96, page_size=4, token_budget=256, prefill_chunk=256, debug=True)
+    # synchronous, so that the step's own tokens come back from that step (with overlap, the CUDA
+    # default, they come back from the next one)
+    engine = Engine(model, num_pages=96, page_size=4, token_budget=256, prefill_chunk=256, debug=True, overlap=False)
     ids = [engine.submit(p, max_new_tokens=6) for p in prompts]
     # one step admits all four: the first fills the prefix pages, the rest read them in that step
     first_tokens = [e.request_id for e in engine.step() if e.token_id is not None]
