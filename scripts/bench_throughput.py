@@ -100,14 +100,14 @@ def run_qil(model, reqs, args, prefix_cache: bool = True, name: str = "qil", cud
     from qil_worker import Engine
 
     no_overlap = getattr(args, "no_overlap", False)
-    no_step_graphs = getattr(args, "no_step_graphs", False)
+    step_graphs = getattr(args, "step_graphs", None)
     engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
                     token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
                     max_active=args.max_active, prefix_cache=prefix_cache, cuda_graphs=cuda_graphs,
                     schedule_policy=args.schedule_policy, attention=args.attention,
                     retained_results=len(reqs) + 1,  # every result is read after the run
                     **({"overlap": False} if no_overlap else {}),
-                    **({"step_graphs": False} if no_step_graphs else {}))
+                    step_graphs=step_graphs)
     if served_before is not None:
         engine.generate([served_before], max_new_tokens=1)
     sampling = dict(temperature=args.temperature, seed=args.seed) if args.temperature else {}
@@ -275,8 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="qil's attention backend")
     p.add_argument("--no-overlap", action="store_true",
                    help="qil steps synchronously: each step's tokens are read before the next is scheduled")
-    p.add_argument("--no-step-graphs", action="store_true",
-                   help="qil runs steps with prefill chunks eagerly (only decode-only steps from CUDA graphs)")
+    p.add_argument("--step-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="qil replays steps with prefill chunks from CUDA graphs too (default: the engine's, off)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="tiny model and lengths (smoke test)")
     p.add_argument("--json", type=Path, default=None)

@@ -2,8 +2,10 @@
 # One prepared GPU check: correctness on CUDA (varlen attention, decode and mixed-step CUDA graphs,
 # overlapped scheduling, Qwen3-MoE), decode-step timing graphs vs eager, the 256-request workload
 # with overlapped scheduling on and off and at Qwen3-30B-A3B's MoE shape, then the throughput
-# benchmark beside transformers. Installs nothing;
-# uses the machine's python3 with torch and transformers.
+# benchmark beside transformers. Uses the machine's python3 with torch and transformers; installs
+# nothing except wheels carried in .whl/ (into /tmp/site, first on PYTHONPATH): the GPU image's
+# grpcio is older than the committed stubs need, so the served tests want grpcio, its health and
+# reflection packages and protobuf as wheels (see docs/performance.md, GPU section).
 # Without a GPU it runs a CPU fallback so the script itself is tested.
 #
 #   bash scripts/device_check.sh            # logs and JSON under ${OUT:-/tmp/qil-device-check}
@@ -21,6 +23,10 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 budget_s="${QIL_CHECK_BUDGET_S:-470}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+        export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 status=0
 summary=()
 model=/tmp/qil-bench-model
@@ -108,12 +114,20 @@ print("model ready")'
         --systems qil --json "$out/throughput_256.json"
     throughput "throughput: 256 requests as above — qil with --no-overlap" 90 throughput_256_no_overlap.log \
         --systems qil --no-overlap --json "$out/throughput_256_no_overlap.json"
-    # steps with prefill chunks from graphs (varlen backends only; graph_mixed_steps in the JSON)
-    throughput "throughput: 256 requests as above — qil with --no-step-graphs" 90 throughput_256_no_step_graphs.log \
-        --systems qil --no-step-graphs --json "$out/throughput_256_no_step_graphs.json"
+    # steps with prefill chunks from graphs, opt-in (varlen backends only; graph_mixed_steps in the JSON)
+    throughput "throughput: 256 requests as above — qil with --step-graphs" 90 throughput_256_step_graphs.log \
+        --systems qil --step-graphs --json "$out/throughput_256_step_graphs.json"
     run "decode step: CUDA graphs vs eager (page size $page)" 90 bench decode_step.log "." \
         "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
         --batch 1 8 64 256
+    # where a 256-row step with the workload's spread of contexts spends the device's time: the
+    # attention backends side by side, then a profile by kernel (the packed path gathers keys)
+    if [ "$packed" = ok ]; then
+        run "decode step: gather + SDPA vs packed varlen (graphs), prompts spread 100-2000, profile" 120 bench \
+            decode_step_packed.log "." \
+            "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
+            --attention sdpa varlen-packed --prompt-len 100 2000 --batch 64 256 --steps 10 --profile 3
+    fi
     # Qwen3-MoE at Qwen3-30B-A3B's shape (random weights drawn in GPU memory: the 61 GB
     # checkpoint would not fit the disk); graphs / graph_decode_steps in the JSON say whether
     # the grouped expert kernel was captured
@@ -125,17 +139,6 @@ print("model ready")'
         --requests 64 --systems qil --json "$out/throughput_64_qil.json"
     throughput "side by side: 64 requests as above — hf-continuous" 150 throughput_64_hf.log \
         --requests 64 --hf-batch 64 --systems hf-continuous --json "$out/throughput_64_hf-continuous.json"
-    # the packed varlen kernel (keys gathered without padding) is opt-in in serve; this A/B is
-    # what decides whether it should become the default
-    if [ "$packed" = ok ]; then
-        run "decode step: gather + SDPA vs packed varlen (graphs), prompts spread 100-2000" 120 bench \
-            decode_step_packed.log "." \
-            "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
-            --attention sdpa varlen-packed --prompt-len 100 2000 --batch 16 64 256
-        throughput "throughput: 256 requests as above — qil with --attention varlen-packed" 90 \
-            throughput_256_packed.log --systems qil --attention varlen-packed \
-            --json "$out/throughput_256_packed.json"
-    fi
     # a burst sharing a 512-token system prefix: with a 4096-token budget the first step admits
     # many of them, which share the prefix pages being filled in that same step
     throughput "prefix-heavy: 64 requests, +512 shared — qil without, with a cold and a warm cache" 120 \

@@ -22,7 +22,8 @@ class EngineConfig:
     with ``debug``); ``True`` on another device runs the same padded decode path without capture
     (for tests). ``step_graphs``: with ``cuda_graphs``, replay the other steps (prefill chunks
     beside decodes) from graphs too, where the attention backend builds their metadata in a graph
-    (default: then on). ``overlap``: schedule and stage each step while the previous one runs on
+    (opt-in: padding those steps to their bucket measured slower on an H200 than running them
+    eagerly, see docs/performance.md). ``overlap``: schedule and stage each step while the previous one runs on
     the device (default: on for CUDA; ``engine.in_flight``). ``debug``: check every KV read.
     ``retained_results``: finished requests whose ``result()`` stays known (0: none, as a server
     that reads results from the events wants).

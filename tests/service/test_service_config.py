@@ -63,6 +63,7 @@ def test_prefix_cache_and_tokenizer_flags():
     assert engine.overlap is None  # the engine decides: on for CUDA
     assert config_from_args(_parse(["--no-overlap"])).front.worker.engine.overlap is False
     assert config_from_args(_parse(["--no-step-graphs"])).front.worker.engine.step_graphs is False
+    assert config_from_args(_parse(["--step-graphs"])).front.worker.engine.step_graphs is True
     assert config_from_args(_parse([])).front.worker.engine.step_graphs is None
     assert cfg.front.worker.tokenizer == "/tok" and cfg.front.worker.use_tokenizer
     cfg = config_from_args(_parse(["--no-tokenizer"]))

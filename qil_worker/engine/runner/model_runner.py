@@ -123,7 +123,7 @@ class ModelRunner:
             attention=self.attention, capture=capture,
         )
         mixed = None
-        if static and config.step_graphs is not False:
+        if static and config.step_graphs:
             mixed = StepGraphs(
                 model, self.kv, self.page_size, max_tokens=config.token_budget,
                 max_chunk=min(config.prefill_chunk, config.token_budget), max_requests=max_requests,

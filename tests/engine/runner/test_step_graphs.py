@@ -26,7 +26,7 @@ def backend(request, device):
 
 
 def _engine(model, backend, **kwargs):
-    return Engine(model, cuda_graphs=True, attention=backend, **kwargs)
+    return Engine(model, cuda_graphs=True, attention=backend, **{"step_graphs": True, **kwargs})
 
 
 def test_buckets():
@@ -186,7 +186,7 @@ def test_sampling_options_through_step_graphs_match_eager_steps(model, backend):
     outputs = {}
     for graphs in (True, False):
         engine = Engine(model, num_pages=96, page_size=4, token_budget=24, prefill_chunk=12, attention=backend,
-                        cuda_graphs=graphs, overlap=graphs)
+                        cuda_graphs=graphs, step_graphs=graphs, overlap=graphs)
         ids, events = [], []
         for prompt, options in zip(prompts, requests):
             ids.append(engine.submit(prompt, max_new_tokens=10, **options))
