@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from checkpoints import make_checkpoint, make_judge_checkpoint
+from checkpoints import load_reference, make_checkpoint, make_judge_checkpoint
 from qil_client import Client, InvalidArgument
 from qil_worker.errors import ConfigError
 from qil_worker.task import resolve
+from qil_worker.text.rerank_prompt import rerank_prompt
 from service_fixtures import http_base_url, start_http_server, start_server, wait_until
 
 ENGINE = dict(num_pages=64, page_size=8, token_budget=128, prefill_chunk=32, max_active=8)
@@ -71,6 +72,44 @@ def test_an_explicit_generate_task_refuses_embed_and_rerank(tmp_path):
             with pytest.raises(InvalidArgument, match="this server's task is generate"):
                 client.rerank("q", ["a doc"])
             assert client.generate([5, 6, 7], max_new_tokens=2) is not None
+            wait_until(lambda: idle(client))
+    finally:
+        srv.stop()
+
+
+def test_an_explicit_rerank_task_serves_scores_and_refuses_the_rest(tmp_path):
+    """``--task rerank`` on a causal LM: Rerank's scores are P(yes) from transformers' yes/no
+    logits; generation and embeddings are refused over gRPC and HTTP, naming the task."""
+    from transformers import AutoTokenizer
+
+    judge = make_judge_checkpoint(tmp_path / "judge")
+    ref, tok = load_reference(judge), AutoTokenizer.from_pretrained(judge)
+    yes, no = tok.convert_tokens_to_ids(["yes", "no"])
+    query, docs = "where do cats sleep", ["on the mat", "the dog barks"]
+    expected = []
+    for d in docs:
+        with torch.no_grad():
+            logits = ref(torch.tensor([tok(rerank_prompt(query, d), add_special_tokens=False)["input_ids"]])).logits
+        expected.append(torch.softmax(logits[0, -1, [no, yes]], dim=-1)[1].item())
+    srv = start_http_server(judge, engine=ENGINE, task="rerank")
+    try:
+        with Client(srv.target, timeout=60) as client:
+            assert client.info().model.task == "rerank"
+            for r in client.rerank(query, docs):
+                assert r.relevance_score == pytest.approx(expected[r.index], abs=1e-5)
+            with pytest.raises(InvalidArgument, match="this server's task is rerank"):
+                client.generate([5, 6, 7], max_new_tokens=2)
+            with pytest.raises(InvalidArgument, match="this server's task is rerank"):
+                client.embed(["hello"])
+            base = http_base_url(srv)
+            reply = httpx.post(f"{base}/rerank", timeout=60, json={"query": query, "documents": docs})
+            assert reply.status_code == 200
+            scores = {r["index"]: r["relevance_score"] for r in reply.json()["results"]}
+            assert scores == {i: pytest.approx(e, abs=1e-5) for i, e in enumerate(expected)}
+            for path, body in (("/embeddings", {"input": "hello"}),
+                               ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                reply = httpx.post(f"{base}{path}", timeout=60, json=body)
+                assert reply.status_code == 400 and "this server's task is rerank" in reply.text, path
             wait_until(lambda: idle(client))
     finally:
         srv.stop()
