@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Embeddings per second, qil against transformers with the same pooling, on the CPU.
+"""Embeddings per second, qil against transformers with the same pooling, on the CPU or a GPU.
 
 A random model with Qwen3-0.6B's shapes (bench_engine.py's, written once under
 ~/.cache/qil), --texts random token-id inputs of --min-len to --max-len tokens (seeded).
@@ -14,6 +14,7 @@ between the two systems' embeddings of the same input.
     python scripts/bench_embed.py                      # 256 texts of 32-512 tokens, bf16
     python scripts/bench_embed.py --texts 32 --rounds 3
     python scripts/bench_embed.py --quick              # tiny model: a smoke test
+    python scripts/bench_embed.py --device cuda --batch 64
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def qil_embed(engine, inputs: list[list[int]]) -> tuple[float, list[list[float]]
 
 @torch.inference_mode()
 def hf_embed(model, inputs: list[list[int]], batch: int) -> tuple[float, list[list[float]]]:
+    # .tolist() of each batch's vectors waits for the device, so the clock covers its work
     t = time.perf_counter()
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
     out: list[list[float] | None] = [None] * len(inputs)
@@ -59,7 +61,8 @@ def hf_embed(model, inputs: list[list[int]], batch: int) -> tuple[float, list[li
         for r, i in enumerate(rows):  # left padding: every row's last token in the last column
             ids[r, width - len(inputs[i]):] = torch.tensor(inputs[i])
             mask[r, width - len(inputs[i]):] = 1
-        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1]
+        hidden = model(input_ids=ids.to(model.device),
+                       attention_mask=mask.to(model.device)).last_hidden_state[:, -1]
         for r, vector in zip(rows, F.normalize(hidden.float(), dim=-1).tolist()):
             out[r] = vector
     return time.perf_counter() - t, out
@@ -74,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-len", type=int, default=None, help="default 32 (4 with --quick)")
     p.add_argument("--max-len", type=int, default=None, help="default 512 (24 with --quick)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both systems run there)")
     p.add_argument("--batch", type=int, default=16, help="transformers' batch (default %(default)s)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
 
     from qil_worker import Engine, Qwen3, cpu_memory
 
-    cpu_memory.configure_process("cpu")
+    cpu_memory.configure_process(args.device)
     torch.set_num_threads(args.threads)
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     tmp = tempfile.TemporaryDirectory(prefix="qil-bench-embed-") if args.quick and args.model_dir is None else None
@@ -108,11 +112,11 @@ def main(argv=None) -> int:
     tokens = sum(len(i) for i in inputs)
     page_size = 16
     engine = Engine(
-        Qwen3.from_directory(model_dir, dtype=dtype), num_pages=sum(-(-len(i) // page_size) for i in inputs) + 8,
+        Qwen3.from_directory(model_dir, device=args.device, dtype=dtype), num_pages=sum(-(-len(i) // page_size) for i in inputs) + 8,
         page_size=page_size, token_budget=args.token_budget, prefill_chunk=args.token_budget,
         max_active=64, prefix_cache=False,
     )
-    hf = AutoModel.from_pretrained(model_dir, dtype=dtype).eval()
+    hf = AutoModel.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     qil_embed(engine, inputs[:2])  # warm both (first-call allocations, oneDNN primitives)
     hf_embed(hf, inputs[:2], args.batch)
     ratios, qil_rates, hf_rates, cosines = [], [], [], []
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
         print(f"round {r + 1}: qil {len(inputs) / q_s:.2f} emb/s, transformers {len(inputs) / h_s:.2f} emb/s, "
               f"ratio {h_s / q_s:.2f}", flush=True)
     print(f"\n{len(inputs)} inputs of {args.min_len}-{args.max_len} tokens ({tokens} tokens), {args.dtype}, "
-          f"{args.threads} threads, {args.rounds} round(s)")
+          f"{args.device}, {args.threads} threads, {args.rounds} round(s)")
     print("| system | embeddings/s | tokens/s |")
     print("|---|---|---|")
     for name, rates in (("qil", qil_rates), ("transformers", hf_rates)):

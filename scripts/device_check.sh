@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check: correctness on CUDA (varlen attention, decode and mixed-step CUDA graphs,
 # overlapped scheduling, Qwen3-MoE), decode-step timing graphs vs eager, the 256-request workload
-# with overlapped scheduling on and off and at Qwen3-30B-A3B's MoE shape, then the throughput
-# benchmark beside transformers. Uses the machine's python3 with torch and transformers; installs
+# with overlapped scheduling on and off and at Qwen3-30B-A3B's MoE shape, embeddings, then the
+# throughput benchmark beside transformers. Uses the machine's python3 with torch and transformers; installs
 # nothing except wheels carried in .whl/ (into /tmp/site, first on PYTHONPATH): the GPU image's
 # grpcio is older than the committed stubs need, so the served tests want grpcio, its health and
 # reflection packages and protobuf as wheels (see docs/performance.md, GPU section).
@@ -133,6 +133,11 @@ print("model ready")'
     # the grouped expert kernel was captured
     throughput "MoE: 256 requests as above, random Qwen3-30B-A3B shape, bf16 — qil" 150 throughput_256_moe.log \
         --systems qil --random-shape qwen3-30b-a3b --json "$out/throughput_256_moe.json"
+    # embeddings: prefill-only pooled requests through the same scheduler, beside transformers'
+    # Qwen3Model with the same last-token pooling (the model's LM head is unused)
+    run "embeddings: 256 texts of 32-512 tokens, bf16 — qil vs transformers" 90 bench embed.log \
+        "round|ratio|cosine|^\||Error" \
+        "$py" scripts/bench_embed.py --device cuda --model-dir "$model" --batch 64 --token-budget 4096 --rounds 2
     # transformers needs minutes for 256 such requests (longer than a stage may take), so the
     # side by side runs the same distribution with 64 requests.
     throughput "side by side: 64 requests, prompt/output 100-1024, bf16 — qil" 90 throughput_64_qil.log \
@@ -158,6 +163,8 @@ else
         "$py" scripts/bench_throughput.py --quick --dtype float32 --json "$out/throughput.json"
     run "prefix-heavy (quick)" 120 bench throughput_prefix.log "^\[|prefix cache|Error" \
         "$py" scripts/bench_throughput.py --quick --dtype float32 --prefix-heavy --systems qil
+    run "embeddings (quick)" 120 bench embed.log "ratio|cosine|Error" \
+        "$py" scripts/bench_embed.py --quick --dtype float32 --threads 1
     run "MoE throughput (quick, random shape in memory)" 120 bench throughput_moe.log "^\[|workload|Error" \
         "$py" scripts/bench_throughput.py --quick --random-shape moe-quick --systems qil --dtype float32
 fi
