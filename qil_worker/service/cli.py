@@ -13,6 +13,7 @@ from qil_worker.attention.names import ATTENTION_CHOICES
 from qil_worker.cli_args import byte_size, fraction, non_negative_int, port_number, positive_int, positive_seconds
 from qil_worker.engine.config import EngineConfig  # torch-free
 from qil_worker.engine.schedule_policy import MAX_BYPASS, SCHEDULE_POLICIES
+from qil_worker.huge_page_malloc import with_huge_page_malloc
 from qil_worker.task import TASKS
 from qil_worker.quantization import QUANTIZE_CHOICES
 from qil_worker.service.front import limits
@@ -334,6 +335,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print("error: --tls-client-ca needs --tls-cert and --tls-key", file=sys.stderr)
         return 2
     config = config_from_args(args)
+    # read by glibc when the worker process starts: the front spawns it with this environment
+    os.environ.update(with_huge_page_malloc(os.environ, args.device))
 
     def announce(line: str) -> None:
         print(line, flush=True)

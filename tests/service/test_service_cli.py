@@ -55,6 +55,10 @@ def test_quickstart_demo_model_client_cli_and_graceful_sigterm(tmp_path):
             info = c.info()
             assert info.model.demo and info.model.name == "demo"
             assert info.model.vocab_size == 320
+            # the CPU worker was started with malloc in huge pages (huge_page_malloc.py)
+            environ = Path(f"/proc/{info.worker.pid}/environ")
+            if environ.exists() and "GLIBC_TUNABLES" not in env:
+                assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ.read_bytes().split(b"\0")
             assert info.model.has_tokenizer and info.model.has_chat_template
             r = c.generate(messages=[{"role": "user", "content": "Hello"}], enable_thinking=False,
                            temperature=0.8, top_p=0.9, seed=5, max_new_tokens=12, ignore_eos=True)
