@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One prepared GPU check: correctness on CUDA (varlen attention, decode and mixed-step CUDA graphs,
 # overlapped scheduling, Qwen3-MoE), decode-step timing graphs vs eager, the 256-request workload
-# with overlapped scheduling on and off and at Qwen3-30B-A3B's MoE shape, embeddings, then the
-# throughput benchmark beside transformers. Uses the machine's python3 with torch and transformers; installs
-# nothing except wheels carried in .whl/ (into /tmp/site, first on PYTHONPATH): the GPU image's
-# grpcio is older than the committed stubs need, so the served tests want grpcio, its health and
-# reflection packages and protobuf as wheels (see docs/performance.md, GPU section).
+# with auto and packed attention, with mixed-step graphs and at Qwen3-30B-A3B's MoE shape,
+# embeddings, then the throughput benchmark beside transformers. Uses the machine's python3 with
+# torch and transformers; installs nothing except wheels carried in .whl/ (into /tmp/site, first
+# on PYTHONPATH): the GPU image's grpcio is older than the committed stubs need, so the served
+# tests want grpcio, its health and reflection packages and protobuf as wheels (see
+# docs/performance.md, GPU section).
 # Without a GPU it runs a CPU fallback so the script itself is tested.
 #
 #   bash scripts/device_check.sh            # logs and JSON under ${OUT:-/tmp/qil-device-check}
@@ -63,10 +64,11 @@ if "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
     run "environment" 60 check environment.log . "$py" -c '
 import torch, transformers
 from qil_worker.attention import PACKED, PAGED
+from qil_worker.attention.names import SEGMENTS
 from qil_worker.attention.choice import probe_varlen
 print("torch", torch.__version__, "transformers", transformers.__version__, "on", torch.cuda.get_device_name())
 for page in (16, 64, 256):
-    for mode in (PAGED, PACKED):
+    for mode in (PAGED, PACKED, SEGMENTS):
         why = probe_varlen(torch.device("cuda"), torch.bfloat16, page, 16, 8, 128, mode)
         print(f"varlen attention {mode}, page size {page}:", why or "OK")
 import logging; logging.basicConfig(level=logging.INFO)  # the timings of auto (attention.measure)
@@ -91,7 +93,8 @@ print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, 
         env QIL_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider -s -rs \
         tests/engine/test_gpu.py tests/engine/runner/test_decode_graphs.py tests/model/test_model_logits.py \
         tests/engine/test_engine_generate.py tests/engine/test_engine_sampling.py tests/kv/test_prefix_cache.py \
-        tests/engine/test_overlap.py tests/engine/runner/test_step_graphs.py tests/model/test_moe.py
+        tests/engine/test_overlap.py tests/engine/runner/test_step_graphs.py tests/model/test_moe.py \
+        tests/attention/test_varlen_pages.py
     run "0.6B-shaped model" 90 check model.log . "$py" -c '
 import sys; sys.path.insert(0, "scripts")
 from pathlib import Path
@@ -109,11 +112,13 @@ print("model ready")'
             "$py" scripts/bench_throughput.py --device cuda --model-dir "$model" --page-size "$page" \
             --token-budget 4096 --prefill-chunk 2048 "$@"
     }
-    # the standard workload, overlapped scheduling on (the CUDA default) and off
+    # the standard workload: auto (overlapped scheduling, the CUDA default), then A/Bs
     throughput "throughput: 256 requests, prompt/output 100-1024, bf16 — qil alone" 90 throughput_256.log \
         --systems qil --json "$out/throughput_256.json"
-    throughput "throughput: 256 requests as above — qil with --no-overlap" 90 throughput_256_no_overlap.log \
-        --systems qil --no-overlap --json "$out/throughput_256_no_overlap.json"
+    # auto's attention against the packed gather (torch builds without a block table: the
+    # page-by-page decode of varlen-pages where auto timed it faster)
+    throughput "throughput: 256 requests as above — qil with --attention varlen-packed" 90 \
+        throughput_256_packed.log --systems qil --attention varlen-packed --json "$out/throughput_256_packed.json"
     # steps with prefill chunks from graphs, opt-in (varlen backends only; graph_mixed_steps in the JSON)
     throughput "throughput: 256 requests as above — qil with --step-graphs" 90 throughput_256_step_graphs.log \
         --systems qil --step-graphs --json "$out/throughput_256_step_graphs.json"
@@ -123,10 +128,11 @@ print("model ready")'
     # where a 256-row step with the workload's spread of contexts spends the device's time: the
     # attention backends side by side, then a profile by kernel (the packed path gathers keys)
     if [ "$packed" = ok ]; then
-        run "decode step: gather + SDPA vs packed varlen (graphs), prompts spread 100-2000, profile" 120 bench \
-            decode_step_packed.log "." \
-            "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size "$page" \
-            --attention sdpa varlen-packed --prompt-len 100 2000 --batch 64 256 --steps 10 --profile 3
+        # page by page reads fewer, longer runs with larger pages: both sides at page size 128
+        run "decode step: packed varlen vs page by page (graphs, page size 128), prompts 100-2000, profile" 120 \
+            bench decode_step_packed.log "." \
+            "$py" scripts/bench_decode_step.py --model-dir "$model" --device cuda --page-size 128 \
+            --attention varlen-packed varlen-pages --prompt-len 100 2000 --batch 64 256 --steps 10 --profile 3
     fi
     # Qwen3-MoE at Qwen3-30B-A3B's shape (random weights drawn in GPU memory: the 61 GB
     # checkpoint would not fit the disk); graphs / graph_decode_steps in the JSON say whether

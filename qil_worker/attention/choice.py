@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from qil_worker.attention import measure
 from qil_worker.attention.backend import AttentionBackend
 from qil_worker.attention.cpu import CpuAttention
-from qil_worker.attention.names import ATTENTION_CHOICES, PACKED, PAGED, SDPA
+from qil_worker.attention.names import ATTENTION_CHOICES, PACKED, PAGED, SDPA, SEGMENTS
 from qil_worker.attention.sdpa import GatherSdpa
+from qil_worker.attention.segments import VarlenSegments, segment_metadata, torch_segment_attn
 from qil_worker.attention.varlen import VarlenPacked, VarlenPaged, takes_block_table, torch_varlen_attn
 
 log = logging.getLogger(__name__)
@@ -45,15 +46,19 @@ def choose_backend(
     if requested == SDPA:
         return portable, None
     if requested != "auto":
-        mode = PACKED if requested == PACKED else PAGED
-        why_not = probe_varlen(device, dtype, page_size, heads, kv_heads, dim, mode)
+        why_not = probe_varlen(device, dtype, page_size, heads, kv_heads, dim, requested)
         if why_not is not None:
             raise ValueError(f"attention {requested!r} is unavailable: {why_not}")
-        return (VarlenPacked if mode == PACKED else VarlenPaged)(), None
+        return varlen_backend(requested), None
     name, why_not = auto_choice(device, dtype, page_size, heads, kv_heads, dim)
     if name == SDPA:
         return portable, why_not
-    return (VarlenPacked if name == PACKED else VarlenPaged)(), why_not
+    return varlen_backend(name), why_not
+
+
+def varlen_backend(name: str) -> AttentionBackend:
+    """A varlen backend by name, on this build's kernels."""
+    return {PAGED: VarlenPaged, PACKED: VarlenPacked, SEGMENTS: VarlenSegments}[name]()
 
 
 def auto_choice(
@@ -62,8 +67,9 @@ def auto_choice(
     """``auto``'s backend name, and why not the paged kernel (None if it is)."""
     why_not = probe_varlen(device, dtype, page_size, heads, kv_heads, dim, PAGED)
     working = [PAGED] if why_not is None else []
-    if device.type == "cuda" and probe_varlen(device, dtype, page_size, heads, kv_heads, dim, PACKED) is None:
-        working.append(PACKED)
+    if device.type == "cuda":
+        working += [mode for mode in (PACKED, SEGMENTS)
+                    if probe_varlen(device, dtype, page_size, heads, kv_heads, dim, mode) is None]
     if not working:
         return SDPA, why_not
     if device.type != "cuda":  # a test's stand-in kernel: nothing to time it against
@@ -82,7 +88,7 @@ def fastest_on(
     """(the fastest of the ``working`` varlen backends and gather + SDPA on a CUDA device, the
     timings as text), measured once per process and shape: every engine of the process then
     runs the same backend. If the timing fails, the first of ``working``."""
-    backends = [VarlenPaged() if name == PAGED else VarlenPacked() for name in working] + [GatherSdpa()]
+    backends = [varlen_backend(name) for name in working] + [GatherSdpa()]
     try:
         work = measure.decode_workload(device, dtype, page_size, heads, kv_heads, dim)
         best, seconds = measure.fastest_backend(backends, work, measure.device_timer(device))
@@ -99,7 +105,8 @@ def fastest_on(
 def probe_varlen(
     device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int, mode: str = PAGED
 ) -> str | None:
-    """None if ``mode`` (``PAGED`` or ``PACKED``) works here and agrees with SDPA, else why not."""
+    """None if ``mode`` (``PAGED``, ``PACKED`` or ``SEGMENTS``) works here and agrees with SDPA,
+    else why not. ``SEGMENTS`` runs its prefill steps packed, so it needs both kernels."""
     if device.type != "cuda":
         return "not a CUDA device"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -109,6 +116,15 @@ def probe_varlen(
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     if mode == PAGED and not takes_block_table(fn):
         return f"torch {torch.__version__} has no varlen_attn with a block table"
+    if mode == SEGMENTS:
+        kernel = torch_segment_attn()
+        if kernel is None:
+            return f"torch {torch.__version__} has no flash kernel taking seqused_k"
+        try:
+            why = _check_segments_against_sdpa(device, dtype, page_size, heads, kv_heads, dim, kernel)
+        except Exception as exc:  # noqa: BLE001 - any failure means: use another path
+            return f"the flash kernel failed on page-by-page decoding: {type(exc).__name__}: {exc}"
+        return why or probe_varlen(device, dtype, page_size, heads, kv_heads, dim, PACKED)
     try:
         for q_lens, causal in (((2, 1), True), ((1, 1), False)):  # chunks; decode rows as graphs run them
             why = _check_against_sdpa(device, dtype, page_size, heads, kv_heads, dim, mode, q_lens, causal)
@@ -171,3 +187,31 @@ def _check_against_sdpa(
     error = (got - torch.cat(want)).abs().max().item()
     kind = "causal" if causal else "decode"
     return None if error < 2e-2 else f"{mode} attention ({kind}) differs from SDPA by {error:.3g}"
+
+
+def _check_segments_against_sdpa(
+    device: torch.device, dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int,
+    kernel,
+) -> str | None:
+    """Decode rows of ``2 * page_size + 1`` and 2 keys, page by page: the first row's pages out
+    of order, both tables padded with a page past their keys (the scratch page of a graph)."""
+    lengths = (2 * page_size + 1, 2)
+    tables_list = [[3, 0, 2, 4], [1, 4, 4, 4]]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(len(lengths), heads, dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(5 * page_size, kv_heads, dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(5 * page_size, kv_heads, dim, device=device, dtype=dtype, generator=gen)
+    tables = torch.tensor(tables_list, device=device)
+    positions = torch.tensor([n - 1 for n in lengths], device=device)
+    meta = segment_metadata(torch.zeros(0, dtype=torch.long, device=device), tables, positions + 1, page_size, kernel)
+    got = meta.attend(q, _Pool(k, v), 0).view(q.shape).float()
+    want = []
+    for r, n in enumerate(lengths):
+        slots = torch.tensor([tables_list[r][j // page_size] * page_size + j % page_size for j in range(n)],
+                             device=device)
+        keys = k.index_select(0, slots).float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        values = v.index_select(0, slots).float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q[r : r + 1].float().transpose(0, 1), keys, values)
+        want.append(out.transpose(0, 1))
+    error = (got - torch.cat(want)).abs().max().item()
+    return None if error < 2e-2 else f"{SEGMENTS} attention (decode) differs from SDPA by {error:.3g}"

@@ -1,4 +1,4 @@
-"""A plain-torch stand-in for torch's varlen flash kernel (CUDA only), so that the varlen
+"""Plain-torch stand-ins for torch's varlen flash kernels (CUDA only), so that the varlen
 backends' wiring — offsets, packed key slots, block tables, decode-graph buckets and scratch
 rows — runs and is checked on any device: same contract, one request at a time through SDPA.
 Slow; for tests and for checking a kernel against it."""
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from qil_worker.attention.names import PACKED
+from qil_worker.attention.segments import VarlenSegments
 from qil_worker.attention.varlen import VarlenPacked, VarlenPaged
 
 
@@ -62,6 +63,40 @@ def reference_varlen_attn(
             F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.to(query.device)).transpose(0, 1)
         )
     return torch.cat(out)
+
+
+def reference_segment_attn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    starts: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    seqused_k: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``segments.torch_segment_attn`` computes: sequence ``s``'s queries over the
+    ``seqused_k[s]`` keys from slot ``starts[s]`` of ``key`` [slots, Hkv, D] (no mask, GQA) →
+    (out [Q, Hq, D], log-sum-exp [Q, Hq] float32)."""
+    cu_q, first, used = cu_seq_q.tolist(), starts.tolist(), seqused_k.tolist()
+    groups = query.shape[1] // key.shape[1]
+    scale = query.shape[-1] ** -0.5
+    outs, lses = [], []
+    for s, (start, n) in enumerate(zip(first, used)):
+        assert cu_q[s + 1] - cu_q[s] <= max_q and 1 <= n <= max_k, "the kernel's maxima must bound every sequence"
+        q = query[cu_q[s] : cu_q[s + 1]].float().transpose(0, 1)  # [Hq, q, D]
+        k = key[start : start + n].float().repeat_interleave(groups, 1).transpose(0, 1)
+        v = value[start : start + n].float().repeat_interleave(groups, 1).transpose(0, 1)
+        scores = q @ k.transpose(1, 2) * scale  # [Hq, q, n]
+        lses.append(scores.logsumexp(-1).transpose(0, 1))  # [q, Hq]
+        outs.append((scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def reference_segments_backend() -> VarlenSegments:
+    """The ``varlen-pages`` backend computed by the reference kernels (its prefill steps by
+    ``reference_varlen_attn``, packed)."""
+    return VarlenSegments(kernel=reference_segment_attn, packed=VarlenPacked(kernel=reference_varlen_attn))
 
 
 def reference_backend(mode: str) -> VarlenPaged:

@@ -15,8 +15,8 @@ class EngineConfig:
     step computes, all requests together; ``prefill_chunk``: prompt tokens of one request per step
     at most; ``max_active``: requests running at once (the rest wait). ``prefix_cache``: reuse the
     KV of shared prompt prefixes. ``schedule_policy``: the order waiting requests are admitted in
-    (``engine.schedule_policy``). ``attention``: ``"auto"``, ``"sdpa"``, ``"varlen"`` (paged) or
-    ``"varlen-packed"`` (CUDA; ``attention.choice``).
+    (``engine.schedule_policy``). ``attention``: ``"auto"``, ``"sdpa"``, ``"varlen"`` (paged),
+    ``"varlen-packed"`` or ``"varlen-pages"`` (CUDA; ``attention.choice``).
 
     ``cuda_graphs``: replay decode-only steps from captured graphs (default: on for CUDA, off
     with ``debug``); ``True`` on another device runs the same padded decode path without capture

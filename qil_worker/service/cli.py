@@ -109,8 +109,9 @@ def _add_engine_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--attention", choices=ATTENTION_CHOICES, default=ENGINE.attention,
         help="attention backend: auto (CUDA: the fastest at start-up of the varlen kernels this build "
-        "runs and gather + SDPA), sdpa, varlen (paged varlen flash attention), or varlen-packed "
-        "(varlen flash attention over keys gathered without padding)",
+        "runs and gather + SDPA), sdpa, varlen (paged varlen flash attention), varlen-packed "
+        "(varlen flash attention over keys gathered without padding), or varlen-pages (decode rows "
+        "attended page by page in place, for builds without a block table)",
     )
     p.add_argument(
         "--no-cuda-graphs", action="store_true",
