@@ -47,11 +47,12 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         model_dir = str(ensure_demo_model())
         log.info("serving the embedded DEMO model (random weights) from %s", model_dir)
     t0 = time.perf_counter()
-    parallel = _tensor_parallel(config, model_dir)
     task = _resolve_task(config.task, model_dir)
+    embedding = task == "embed"
+    parallel = _tensor_parallel(config, model_dir, embedding)
     model = Qwen3.from_directory(
         model_dir, device=config.device, dtype=config.dtype, quantize=config.quantize, parallel=parallel,
-        embedding=task == "embed",
+        embedding=embedding,
     )
     weight_format, weight_bytes = model.weight_summary()
     cfg = model.config
@@ -191,9 +192,9 @@ def _install_forward_fault(model: Any, spec: str | None) -> None:
     log.warning("TEST FAULT INJECTION ON: forward calls %d..%d will raise", first_call, first_call + num - 1)
 
 
-def _tensor_parallel(config: P.WorkerConfig, model_dir: str) -> Any:
+def _tensor_parallel(config: P.WorkerConfig, model_dir: str, embedding: bool) -> Any:
     """This worker's place as rank 0 of ``tensor_parallel_size`` ranks (the others spawned and
-    joined here); the single-device state at 1."""
+    joined here, loading the model as rank 0 does: ``embedding``); the single-device state at 1."""
     from qil_worker.errors import ConfigError
     from qil_worker.parallel import SINGLE
     from qil_worker.parallel.group import join_group
@@ -206,7 +207,7 @@ def _tensor_parallel(config: P.WorkerConfig, model_dir: str) -> Any:
         # every rank allocates the same pool before rank 0 could size it
         raise ConfigError("tensor_parallel_size > 1 needs an explicit --num-pages (not --kv-memory-*)")
     init_method = local_init_method()
-    start_followers(config, model_dir, size, init_method)
+    start_followers(config, model_dir, size, init_method, embedding)
     log.info("tensor parallel: %d ranks (%s)", size, "NCCL" if config.device.startswith("cuda") else "gloo")
     return join_group(0, size, init_method, device=config.device)
 
