@@ -5,8 +5,12 @@ embedding checkpoint is served sharded: Embed answers as transformers' pooling."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from checkpoints import make_checkpoint
 from service_fixtures import make_service_checkpoint, reference_outputs, start_server, wait_until
 
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(num_pages=256, page_size=16, token_budget=128, prefill_chunk=64, max_active=8)
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [40, 41]]
 
@@ -85,15 +90,27 @@ def _serving_again(c: Client, old_pid: int) -> bool:
         return False
 
 
-def test_tp2_server_embeds_with_a_headless_checkpoint(headless_dir):
-    """Every rank loads the checkpoint without a head (the resolved task reaches them)."""
+def test_tp2_server_embeds_with_a_headless_checkpoint_and_tells_its_ranks(headless_dir):
+    """Every rank loads the checkpoint without a head (the resolved task reaches them); GetInfo
+    and ``qil_client info`` tell the ranks, the node and the weights per rank."""
     from transformers import Qwen3Model
 
+    from qil_worker import Qwen3
+
     reference = Qwen3Model.from_pretrained(headless_dir).eval()
+    whole = Qwen3.from_directory(headless_dir, embedding=True).weight_summary()[1]
     prompts = [[5, 6, 7, 8], [9], list(range(1, 40))]
     with start_server(headless_dir, engine=ENGINE, tensor_parallel_size=2, use_tokenizer=False) as srv:
         with Client(srv.target, timeout=120) as c:
-            assert c.info().model.task == "embed"
+            model = c.info().model
+            assert model.task == "embed"
+            assert (model.tensor_parallel_size, model.nnodes) == (2, 1)
+            # each rank a shard (norms and vocabulary padding aside); both together at least the whole
+            assert model.rank_weight_bytes < whole * 0.75 and whole <= model.weight_bytes <= 2 * model.rank_weight_bytes
+            shown = json.loads(subprocess.run([sys.executable, "-m", "qil_client", "--target", srv.target, "info"],
+                                              capture_output=True, text=True, check=True, timeout=60, cwd=ROOT).stdout)
+            assert {k: shown["model"][k] for k in ("tensor_parallel_size", "nnodes", "rank_weight_bytes")} == {
+                "tensor_parallel_size": 2, "nnodes": 1, "rank_weight_bytes": model.rank_weight_bytes}
             for vector, ids in zip(c.embed(prompts).vectors, prompts):
                 with torch.no_grad():
                     want = F.normalize(reference(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)

@@ -63,7 +63,7 @@ def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_
     from qil_worker.cpu_memory import configure_process
     from qil_worker.engine.runner.follower import follow
     from qil_worker.model import Qwen3
-    from qil_worker.parallel.group import join_group, leave_group
+    from qil_worker.parallel.group import gather_ints, join_group, leave_group
     from qil_worker.service import logs
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front owns signals, as for rank 0
@@ -76,7 +76,9 @@ def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_
     parallel = join_group(rank, world_size, init_method, device=config.device)
     model = Qwen3.from_directory(model_dir, device=config.device, dtype=config.dtype,
                                  quantize=config.quantize, parallel=parallel, embedding=embedding)
-    log.info("tensor-parallel rank %d/%d: weights %d bytes", rank, world_size, model.weight_summary()[1])
+    weight_bytes = model.weight_summary()[1]
+    gather_ints(parallel, weight_bytes)  # rank 0 reports every rank's weights (``startup.load``)
+    log.info("tensor-parallel rank %d/%d: weights %d bytes", rank, world_size, weight_bytes)
     steps = follow(model, config.engine)
     log.info("tensor-parallel rank %d stops after %d steps", rank, steps)
     leave_group()

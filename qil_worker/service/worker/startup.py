@@ -22,6 +22,8 @@ log = logging.getLogger("qil.worker")
 # requests with an in-band error and the server keeps serving; "N:K:device" raises what a
 # sticky CUDA error raises instead, to test that the worker is replaced.
 FAULT_FORWARD_ENV = "QIL_TEST_FAULT_FORWARD"
+# a worker's tensor-parallel ranks run on its own machine (``ranks.local_init_method``)
+NNODES = 1
 
 
 def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
@@ -34,6 +36,7 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
     from qil_worker.engine.memory import size_pool
     from qil_worker.engine.runner.model_runner import scratch_pages
     from qil_worker.model import Qwen3
+    from qil_worker.parallel.group import gather_ints
     from qil_worker.text.tokenizer import EncodingTraits, encoding_traits, tokenizer_summary
 
     configure_process(config.device)  # before the model: the first oneDNN call fixes them
@@ -55,6 +58,7 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         embedding=embedding,
     )
     weight_format, weight_bytes = model.weight_summary()
+    rank_bytes = gather_ints(parallel, weight_bytes)  # the followers send theirs after loading
     cfg = model.config
     tokenizer, tokenizer_dir = _load_tokenizer(config, model_dir, cfg.vocab_size)
     engine_config = config.engine
@@ -112,7 +116,10 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         max_token_bytes=traits.max_token_bytes,
         normal_form=traits.normal_form,
         weight_format=weight_format,
-        weight_bytes=weight_bytes,
+        weight_bytes=sum(rank_bytes),
+        tensor_parallel_size=parallel.world_size,
+        nnodes=NNODES,
+        rank_weight_bytes=max(rank_bytes),
         tokenizer_summary={} if tokenizer is None else tokenizer_summary(tokenizer, cfg.max_position_embeddings),
         architecture=cfg.architecture,
         num_experts=cfg.num_experts,
@@ -123,11 +130,12 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         task_explicit=config.task != "auto",
     )
     log.info(
-        "model %s (task %s) loaded and warm in %.2fs: %s; dtype %s, device %s, weights %s (%s); %d KV pages (%s); memory: %s; "
+        "model %s (task %s) loaded and warm in %.2fs: %s; dtype %s, device %s, weights %s (%s); "
+        "tensor parallel: %d rank(s) on %d node(s), at most %s of weights per rank; %d KV pages (%s); memory: %s; "
         "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
         "overlapped scheduling: %s; structured output: %s; %d start-up objects frozen for the GC",
         info.name, info.task, time.perf_counter() - t0, cfg.describe(), info.dtype, info.device, info.weight_format,
-        _mib(info.weight_bytes), pool.num_pages,
+        _mib(info.weight_bytes), info.tensor_parallel_size, info.nnodes, _mib(info.rank_weight_bytes), pool.num_pages,
         info.kv_pool, info.memory, tokenizer_dir or "none", "on" if info.prefix_cache else "off",
         info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off",
         "on" if engine.overlap else "off", "on" if info.structured_output else "off", frozen,
