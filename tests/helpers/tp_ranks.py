@@ -139,7 +139,7 @@ def pooled_and_generate(parallel, checkpoint: str, embed_prompts: list[list[int]
                         gen_prompts: list[list[int]], yes_no: tuple[int, int], embedding: bool = False
                         ) -> dict[str, Any]:
     """Rank 0: embeddings alone (steps whose only finishing chunks are pooled: no logit row),
-    scores alone, then one batch mixing generation, embeddings and scores submitted together
+    scores alone, the tokens of a prompt of three chunks alone, then one batch mixing generation, embeddings and scores submitted together
     (their prompts in the same steps) → the answers, the tokens and the pool's use after each
     part; with ``embedding`` a headless checkpoint loads as an embedding model (embeddings only).
     The other ranks follow it → how many steps they ran."""
@@ -161,6 +161,9 @@ def pooled_and_generate(parallel, checkpoint: str, embed_prompts: list[list[int]
         return out
     out["scores"] = engine.score(score_prompts, yes_token_id=yes, no_token_id=no)
     out["pages_after_score"] = engine.stats().num_pages_used
+    # a long prompt alone: its first chunks end no prompt, so those steps have no logit row either
+    long_prompt = [t for p in gen_prompts + embed_prompts for t in p][: 3 * config.prefill_chunk]
+    out["long_tokens"] = engine.generate([long_prompt], max_new_tokens=4)[0].output_token_ids
     gen_ids = [engine.submit(p, max_new_tokens=6) for p in gen_prompts]
     emb_ids = [engine.submit(RequestSpec.pooled(Pooling("embed", dimensions=16), p)) for p in embed_prompts]
     score_ids = [engine.submit(RequestSpec.pooled(Pooling("score", yes_token_id=yes, no_token_id=no), p))

@@ -1,6 +1,6 @@
 """Pooled requests (embeddings, yes/no scores) under tensor parallelism on CPU with gloo: at TP 2
 rank 0's answers equal TP 1's (float32), alone — steps whose only finishing chunks are pooled
-have no logit row — and in steps mixed with generation, whose tokens stay TP 1's; every page of
+have no logit row, as have those of a long prompt's first chunks — and in steps mixed with generation, whose tokens stay TP 1's; every page of
 rank 0's pool (the group's only page bookkeeping) is free afterwards. A headless embedding
 checkpoint loads sharded as an embedding model."""
 
@@ -57,6 +57,7 @@ def test_tp2_embeddings_scores_and_mixed_steps_match_tp1(untied_dir, tmp_path):
     assert_same_vectors(lead["embeddings"], want["embeddings"])
     assert lead["scores"] == pytest.approx(want["scores"], abs=ATOL)
     assert all(0 < s < 1 for s in lead["scores"])
+    assert lead["long_tokens"] == want["long_tokens"] and len(lead["long_tokens"]) == 4
     # generation, embeddings (Matryoshka 16) and scores whose prompts ran in one step
     ids = lead["mixed_ids"]
     short = ids["generate"] + ids["score"] + ids["embed"][:2]
