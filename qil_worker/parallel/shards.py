@@ -108,7 +108,8 @@ def fp8_shard_problem(config: Qwen3Config, world_size: int) -> str:
     n, (rows, cols) = world_size, config.quantization.block_size
     slices = {"q_proj rows (num_attention_heads x head_dim)": config.num_attention_heads * config.head_dim // n}
     if config.num_key_value_heads >= n:
-        slices["k_proj/v_proj rows (num_key_value_heads x head_dim)"] = config.num_key_value_heads * config.head_dim // n
+        kv_rows = config.num_key_value_heads * config.head_dim // n
+        slices["k_proj/v_proj rows (num_key_value_heads x head_dim)"] = kv_rows
     if any(not config.is_sparse_layer(i) for i in range(config.num_hidden_layers)):
         slices["gate_proj/up_proj rows (intermediate_size)"] = config.intermediate_size // n
     if config.is_moe:

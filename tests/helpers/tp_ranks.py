@@ -134,15 +134,15 @@ def kill_a_follower_mid_stream(parallel, checkpoint: str, workdir: str) -> dict[
             "failure": engine.device_failure, "error_reason": FinishReason.ERROR, "tokens": tokens}
 
 
-
 def pooled_and_generate(parallel, checkpoint: str, embed_prompts: list[list[int]], score_prompts: list[list[int]],
                         gen_prompts: list[list[int]], yes_no: tuple[int, int], embedding: bool = False
                         ) -> dict[str, Any]:
     """Rank 0: embeddings alone (steps whose only finishing chunks are pooled: no logit row),
-    scores alone, the tokens of a prompt of three chunks alone, then one batch mixing generation, embeddings and scores submitted together
-    (their prompts in the same steps) → the answers, the tokens and the pool's use after each
-    part; with ``embedding`` a headless checkpoint loads as an embedding model (embeddings only).
-    The other ranks follow it → how many steps they ran."""
+    scores alone, the tokens of a prompt of three chunks alone, then one batch mixing
+    generation, embeddings and scores submitted together (their prompts in the same steps) →
+    the answers, the tokens and the pool's use after each part; with ``embedding`` a headless
+    checkpoint loads as an embedding model (embeddings only). The other ranks follow it → how
+    many steps they ran."""
     from qil_worker import Engine, Qwen3
     from qil_worker.engine.config import EngineConfig
     from qil_worker.engine.runner.follower import follow

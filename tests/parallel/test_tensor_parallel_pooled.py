@@ -1,8 +1,9 @@
 """Pooled requests (embeddings, yes/no scores) under tensor parallelism on CPU with gloo: at TP 2
 rank 0's answers equal TP 1's (float32), alone — steps whose only finishing chunks are pooled
-have no logit row, as have those of a long prompt's first chunks — and in steps mixed with generation, whose tokens stay TP 1's; every page of
-rank 0's pool (the group's only page bookkeeping) is free afterwards. A headless embedding
-checkpoint loads sharded as an embedding model."""
+have no logit row, as have those of a long prompt's first chunks — and in steps mixed with
+generation, whose tokens stay TP 1's; every page of rank 0's pool (the group's only page
+bookkeeping) is free afterwards. A headless embedding checkpoint loads sharded as an embedding
+model."""
 
 from __future__ import annotations
 
