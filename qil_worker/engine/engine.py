@@ -203,11 +203,6 @@ class Engine:
         token_ids = prompt_spec.token_ids
         pooling = spec.pooling
         if pooling is not None:
-            if self.runner.leads_followers:
-                raise FeatureUnavailableError(
-                    "embeddings and scores are not served with tensor parallelism yet (serve them at "
-                    "--tensor-parallel-size 1)", field="pooling",
-                )
             if pooling.kind == "score" and pooling.yes_token_id is None:  # the tokenizer's yes and no
                 yes, no = answer_token_ids(self.tokenizer)
                 pooling = dataclasses.replace(pooling, yes_token_id=yes, no_token_id=no)

@@ -1,5 +1,6 @@
 """Joining this process to a tensor-parallel group: gloo on CPU, NCCL on CUDA, with a timeout so
-that no rank waits forever in a collective when another has died."""
+that no rank waits forever in a collective when another has died; and the ranks' start-up
+exchange of what each loaded (``gather_ints``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from qil_worker.parallel.state import ParallelState
+from qil_worker.parallel.state import ParallelState, collective
 
 DEFAULT_TIMEOUT_S = 60.0
 # Followers wait for rank 0's next step on the control group for as long as the server idles; a
@@ -38,6 +39,16 @@ def join_group(
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return ParallelState(rank, world_size, None, control)
+
+
+def gather_ints(parallel: ParallelState, value: int) -> list[int]:
+    """Every rank's ``value``, in rank order (each rank calls it at the same point of its
+    start-up; over the host control group, so device tensors play no part)."""
+    if not parallel.sharded:
+        return [value]
+    values = [torch.zeros(1, dtype=torch.long) for _ in range(parallel.world_size)]
+    collective(dist.all_gather, values, torch.tensor([value], dtype=torch.long), group=parallel.control_group)
+    return [int(v.item()) for v in values]
 
 
 def leave_group() -> None:

@@ -100,16 +100,40 @@ def tp_problems(config: Qwen3Config, world_size: int) -> list[str]:
     return problems
 
 
+def fp8_shard_problem(config: Qwen3Config, world_size: int) -> str:
+    """Why an FP8 block-quantized checkpoint is not split over ``world_size`` ranks: a rank's
+    slice of a projection needs the matching slice of its block scales, which the loader does
+    not cut (``loader.load_weights`` slices the weights only), and a slice edge inside a block
+    would split one scale between two ranks; the slices of this model whose edges do."""
+    n, (rows, cols) = world_size, config.quantization.block_size
+    slices = {"q_proj rows (num_attention_heads x head_dim)": config.num_attention_heads * config.head_dim // n}
+    if config.num_key_value_heads >= n:
+        kv_rows = config.num_key_value_heads * config.head_dim // n
+        slices["k_proj/v_proj rows (num_key_value_heads x head_dim)"] = kv_rows
+    if any(not config.is_sparse_layer(i) for i in range(config.num_hidden_layers)):
+        slices["gate_proj/up_proj rows (intermediate_size)"] = config.intermediate_size // n
+    if config.is_moe:
+        slices["expert gate_proj/up_proj rows (moe_intermediate_size)"] = config.moe_intermediate_size // n
+    # a column-parallel slice's rows are the width of its row-parallel partner's columns
+    inside = [f"{name} {size} per rank" for name, size in slices.items() if size % rows or size % cols]
+    return (
+        f"tensor_parallel_size {n}: an FP8 block-quantized checkpoint (quantization_config, "
+        f"weight_block_size [{rows}, {cols}]) is not split across ranks: each rank's slice of a projection "
+        f"needs the matching slice of its weight_scale_inv (one scale per {rows}x{cols} block), which "
+        "is not loaded per rank"
+        + (f", and these slices end inside a block, sharing its scale between ranks: {'; '.join(inside)}"
+           if inside else "")
+        + ". Serve it with tensor_parallel_size 1."
+    )
+
+
 def check_tp_size(config: Qwen3Config, world_size: int) -> None:
     """Raise ``ConfigError`` naming every field that ``world_size`` does not divide, and the
     tensor-parallel sizes that do work for this model."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
     if config.quantization is not None and world_size > 1:
-        raise ConfigError(
-            "tensor_parallel_size: FP8 checkpoints (quantization_config) are not split across ranks "
-            "yet; serve them with tensor_parallel_size 1"
-        )
+        raise ConfigError(fp8_shard_problem(config, world_size))
     problems = tp_problems(config, world_size)
     if problems:
         working = [n for n in range(1, config.num_attention_heads + 1) if not tp_problems(config, n)]

@@ -63,6 +63,10 @@ class ParallelState:
         """[L, n] on each rank → [L, world_size * n], rank r's columns r*n:(r+1)*n (the
         vocab-parallel LM head's logits)."""
         rows, cols = x.shape
+        if rows == 0:
+            # a step with no logit row (only pooled prompts, or prompt chunks that end none):
+            # every rank has the step's row count from rank 0's message, so all skip the gather
+            return x.new_empty((0, self.world_size * cols))
         gathered = x.new_empty((self.world_size * rows, cols))
         collective(_all_gather, gathered, x.contiguous(), group=self.group)
         return gathered.view(self.world_size, rows, cols).permute(1, 0, 2).reshape(rows, -1)

@@ -185,9 +185,14 @@ class WorkerInfo:
     # (0: no bound) and the tokenizer's normalizer (None or "NFC")
     max_token_bytes: int = 0
     normal_form: str | None = None
-    # the formats the weights run in and the bytes they hold (``Qwen3.weight_summary``)
+    # the formats the weights run in and the bytes they hold (``Qwen3.weight_summary``), all
+    # tensor-parallel ranks together
     weight_format: str = ""
     weight_bytes: int = 0
+    # the tensor-parallel ranks, the machines they span and the most weight bytes one rank holds
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    rank_weight_bytes: int = 0
     # the tokenizer's class, special tokens and chat template (``text.tokenizer.tokenizer_summary``;
     # empty without a tokenizer)
     tokenizer_summary: dict = field(default_factory=dict)

@@ -133,3 +133,51 @@ def kill_a_follower_mid_stream(parallel, checkpoint: str, workdir: str) -> dict[
     return {"finals": [finals.get(i) for i in ids], "refused": refused, "elapsed": elapsed,
             "failure": engine.device_failure, "error_reason": FinishReason.ERROR, "tokens": tokens}
 
+
+def pooled_and_generate(parallel, checkpoint: str, embed_prompts: list[list[int]], score_prompts: list[list[int]],
+                        gen_prompts: list[list[int]], yes_no: tuple[int, int], embedding: bool = False
+                        ) -> dict[str, Any]:
+    """Rank 0: embeddings alone (steps whose only finishing chunks are pooled: no logit row),
+    scores alone, the tokens of a prompt of three chunks alone, then one batch mixing
+    generation, embeddings and scores submitted together (their prompts in the same steps) →
+    the answers, the tokens and the pool's use after each part; with ``embedding`` a headless
+    checkpoint loads as an embedding model (embeddings only). The other ranks follow it → how
+    many steps they ran."""
+    from qil_worker import Engine, Qwen3
+    from qil_worker.engine.config import EngineConfig
+    from qil_worker.engine.runner.follower import follow
+    from qil_worker.engine.spec import Pooling, RequestSpec
+
+    model = Qwen3.from_directory(checkpoint, dtype="float32", parallel=parallel, embedding=embedding)
+    config = EngineConfig(num_pages=64, page_size=4, token_budget=64, prefill_chunk=16, max_active=16)
+    if parallel.rank > 0:
+        return {"steps": follow(model, config)}
+    engine = Engine(model, config)
+    yes, no = yes_no
+    out: dict[str, Any] = {"embeddings": engine.embed(embed_prompts)}
+    out["pages_after_embed"] = engine.stats().num_pages_used
+    if embedding:
+        engine.close()
+        return out
+    out["scores"] = engine.score(score_prompts, yes_token_id=yes, no_token_id=no)
+    out["pages_after_score"] = engine.stats().num_pages_used
+    # a long prompt alone: its first chunks end no prompt, so those steps have no logit row either
+    long_prompt = [t for p in gen_prompts + embed_prompts for t in p][: 3 * config.prefill_chunk]
+    out["long_tokens"] = engine.generate([long_prompt], max_new_tokens=4)[0].output_token_ids
+    gen_ids = [engine.submit(p, max_new_tokens=6) for p in gen_prompts]
+    emb_ids = [engine.submit(RequestSpec.pooled(Pooling("embed", dimensions=16), p)) for p in embed_prompts]
+    score_ids = [engine.submit(RequestSpec.pooled(Pooling("score", yes_token_id=yes, no_token_id=no), p))
+                 for p in score_prompts]
+    first = engine.step()  # every prompt's first chunk in one step (the budget holds them all)
+    out["first_step_requests"] = sorted({e.request_id for e in first})
+    out["mixed_ids"] = {"generate": gen_ids, "embed": emb_ids, "score": score_ids}
+    while not engine.idle:
+        engine.step()
+    out["mixed_tokens"] = [engine.result(i).output_token_ids for i in gen_ids]
+    out["mixed_embeddings"] = [engine.result(i).embedding for i in emb_ids]
+    out["mixed_scores"] = [engine.result(i).score for i in score_ids]
+    stats = engine.stats()
+    out.update(pages_used=stats.num_pages_used, pages_free=stats.num_pages_free, pages_total=stats.num_pages_total,
+               running=stats.num_running, waiting=stats.num_waiting)
+    engine.close()
+    return out

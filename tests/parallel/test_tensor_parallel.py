@@ -141,3 +141,41 @@ def test_a_killed_follower_fails_the_streams_at_once_and_the_engine_refuses_work
     assert lead["refused"] is not None and "unusable" in lead["refused"]
     assert lead["elapsed"] < 20  # the collective timeout is 60 s: this was no timeout
 
+
+
+def test_fp8_block_checkpoints_are_refused_above_tp1_naming_the_scales_and_the_slices(tmp_path):
+    """A rank's slice of an FP8 projection would need its slice of the block scales, which the
+    loader does not cut: refused at load, before any tensor is read; TP 1 loads it."""
+    from checkpoints import make_fp8_checkpoint, make_fp8_moe_checkpoint
+
+    dense = make_fp8_checkpoint(tmp_path / "dense")
+    with pytest.raises(ConfigError) as error:
+        Qwen3.from_directory(dense, parallel=ParallelState(0, 2))
+    message = str(error.value)
+    assert message.startswith("tensor_parallel_size 2: an FP8 block-quantized checkpoint")
+    assert "weight_scale_inv (one scale per 128x128 block)" in message
+    assert "gate_proj/up_proj rows (intermediate_size) 48 per rank" in message  # 96 / 2, inside a block
+    assert "q_proj rows (num_attention_heads x head_dim) 32 per rank" in message
+    assert message.endswith("Serve it with tensor_parallel_size 1.")
+    assert Qwen3.from_directory(dense).config.quantization is not None
+    with pytest.raises(ConfigError, match=r"expert gate_proj/up_proj rows \(moe_intermediate_size\) 16 per rank"):
+        Qwen3.from_directory(make_fp8_moe_checkpoint(tmp_path / "moe"), parallel=ParallelState(0, 2))
+
+
+def test_fp8_refusal_of_an_aligned_model_names_only_the_scales():
+    """Qwen3-8B's shape at TP 2: every slice a whole number of 128-blocks, still refused (the
+    scales are not cut per rank), naming no slice."""
+    from qil_worker.config import Qwen3Config
+    from qil_worker.parallel import check_tp_size
+
+    config = Qwen3Config.from_dict(dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                             "weight_block_size": [128, 128]},
+    ))
+    with pytest.raises(ConfigError) as error:
+        check_tp_size(config, 2)
+    assert "is not loaded per rank. Serve it with tensor_parallel_size 1." in str(error.value)
+    assert "per rank;" not in str(error.value) and "inside a block" not in str(error.value)
+    check_tp_size(config, 1)

@@ -1,17 +1,27 @@
 """``serve --tensor-parallel-size 2`` as a real server: the worker and the rank it spawns give
 the single-device engine's tokens; SIGKILL of that rank mid-stream ends the stream with an
-in-band error and the supervisor replaces the whole group (a new worker, a new rank)."""
+in-band error and the supervisor replaces the whole group (a new worker, a new rank). A headless
+embedding checkpoint is served sharded: Embed answers as transformers' pooling."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from qil_client import Client, QilError
+from safetensors.torch import load_file, save_file
 
+from checkpoints import make_checkpoint
 from service_fixtures import make_service_checkpoint, reference_outputs, start_server, wait_until
 
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(num_pages=256, page_size=16, token_budget=128, prefill_chunk=64, max_active=8)
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [40, 41]]
 
@@ -19,6 +29,16 @@ PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [40, 41]]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_service_checkpoint(tmp_path_factory.mktemp("tp-service"))
+
+
+@pytest.fixture(scope="module")
+def headless_dir(tmp_path_factory):
+    """A Qwen3-Embedding-shaped checkpoint: untied config, base-model names, no LM head."""
+    path = make_checkpoint(tmp_path_factory.mktemp("tp-headless") / "m", seed=6, tie_word_embeddings=False)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file({name.removeprefix("model."): t for name, t in tensors.items()}, path / "model.safetensors")
+    return path
 
 
 def _children(pid: int) -> list[int]:
@@ -68,3 +88,36 @@ def _serving_again(c: Client, old_pid: int) -> bool:
         return c.health() == "SERVING" and c.info().worker.pid not in (0, old_pid)
     except QilError:
         return False
+
+
+def test_tp2_server_embeds_with_a_headless_checkpoint_and_tells_its_ranks(headless_dir):
+    """Every rank loads the checkpoint without a head (the resolved task reaches them); GetInfo
+    and ``qil_client info`` tell the ranks, the node and the weights per rank."""
+    from transformers import Qwen3Model
+
+    from qil_worker import Qwen3
+
+    reference = Qwen3Model.from_pretrained(headless_dir).eval()
+    whole = Qwen3.from_directory(headless_dir, embedding=True).weight_summary()[1]
+    prompts = [[5, 6, 7, 8], [9], list(range(1, 40))]
+    with start_server(headless_dir, engine=ENGINE, tensor_parallel_size=2, use_tokenizer=False) as srv:
+        with Client(srv.target, timeout=120) as c:
+            model = c.info().model
+            assert model.task == "embed"
+            assert (model.tensor_parallel_size, model.nnodes) == (2, 1)
+            # each rank a shard (norms and vocabulary padding aside); both together at least the whole
+            assert model.rank_weight_bytes < whole * 0.75 and whole <= model.weight_bytes <= 2 * model.rank_weight_bytes
+            shown = json.loads(subprocess.run([sys.executable, "-m", "qil_client", "--target", srv.target, "info"],
+                                              capture_output=True, text=True, check=True, timeout=60, cwd=ROOT).stdout)
+            assert {k: shown["model"][k] for k in ("tensor_parallel_size", "nnodes", "rank_weight_bytes")} == {
+                "tensor_parallel_size": 2, "nnodes": 1, "rank_weight_bytes": model.rank_weight_bytes}
+            for vector, ids in zip(c.embed(prompts).vectors, prompts):
+                with torch.no_grad():
+                    want = F.normalize(reference(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+                assert F.cosine_similarity(torch.tensor(vector), want, dim=0).item() >= 0.99999
+            wait_until(lambda: _idle(c), timeout=30)
+
+
+def _idle(c: Client) -> bool:
+    info = c.info()
+    return info.num_unfinished == 0 and info.pages.used == 0

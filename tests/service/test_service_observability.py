@@ -157,6 +157,7 @@ def test_json_logs_request_lines_startup_summary_and_metrics_flag(model_dir, tmp
     msg = summary[0]["message"]
     assert "dtype float32" in msg and "device cpu" in msg and "512 KV pages" in msg
     assert "KV pool" in msg and "process RSS" in msg
+    assert "tensor parallel: 1 rank(s) on 1 node(s)" in msg
     assert any(r["logger"] == "qil.metrics" and str(port) in r["message"] for r in records)
     ready = [r for r in records if r["logger"] == "qil.front" and "worker ready" in r["message"]]
     assert len(ready) == 1 and "process RSS" in ready[0]["message"]

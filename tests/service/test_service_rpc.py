@@ -104,6 +104,8 @@ def test_get_info(client, model_dir):
     assert info.model.dtype == "float32"
     assert (info.model.architecture, info.model.num_experts) == ("qwen3", 0)  # dense: every weight active
     assert info.model.num_parameters == info.model.num_active_parameters > 0
+    assert (info.model.tensor_parallel_size, info.model.nnodes) == (1, 1)  # one device: one rank holds all
+    assert info.model.rank_weight_bytes == info.model.weight_bytes > 0
     assert info.limits.page_size == ENGINE["page_size"]
     assert info.limits.max_active == ENGINE["max_active"]
     assert info.limits.max_request_id_length == 128

@@ -177,11 +177,6 @@ class ModelRunner:
         logits, requests = samples.with_fork_rows(logits, requests, forks)
         return LaunchedStep(self.sampler.sample_on_device(logits, requests), computed, requests, forks, pooled)
 
-    @property
-    def leads_followers(self) -> bool:
-        """Whether tensor-parallel followers run each step with this runner."""
-        return self.sender is not None
-
     def _forward(self, inputs: StepInputs, keep_hidden: bool = False):
         """The step's forward → its logit rows; with ``keep_hidden``, (the decoder stack's
         output, the logit rows), which make the same collectives as the plain forward. With

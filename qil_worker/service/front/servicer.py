@@ -279,6 +279,9 @@ def _described(info: WorkerInfo) -> tuple[pb.ModelInfo, pb.EngineLimits]:
         num_parameters=info.num_parameters,
         num_active_parameters=info.num_active_parameters,
         task=info.task,
+        tensor_parallel_size=info.tensor_parallel_size,
+        nnodes=info.nnodes,
+        rank_weight_bytes=info.rank_weight_bytes,
     )
     engine_limits = pb.EngineLimits(
         page_size=info.page_size,

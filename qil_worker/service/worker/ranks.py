@@ -26,15 +26,17 @@ def local_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def start_followers(config: Any, model_dir: str, world_size: int, init_method: str) -> list[subprocess.Popen]:
+def start_followers(config: Any, model_dir: str, world_size: int, init_method: str,
+                    embedding: bool = False) -> list[subprocess.Popen]:
     """Start ranks 1..``world_size``-1 of the worker ``config`` (a ``WorkerConfig``) → their
-    processes. Fresh interpreters (``python -m qil_worker.service.worker.ranks``, their arguments
-    pickled on stdin): the worker is a daemon process, which multiprocessing lets have no
-    children."""
+    processes; ``embedding``: the worker serves the model as an embedding model (its resolved
+    task is embed), so each rank loads a headless checkpoint as rank 0 does, without a head.
+    Fresh interpreters (``python -m qil_worker.service.worker.ranks``, their arguments pickled
+    on stdin): the worker is a daemon process, which multiprocessing lets have no children."""
     procs = []
     for rank in range(1, world_size):
         proc = subprocess.Popen([sys.executable, "-m", "qil_worker.service.worker.ranks"], stdin=subprocess.PIPE)
-        proc.stdin.write(pickle.dumps((config, model_dir, rank, world_size, init_method)))
+        proc.stdin.write(pickle.dumps((config, model_dir, rank, world_size, init_method, embedding)))
         proc.stdin.close()
         procs.append(proc)
     return procs
@@ -51,7 +53,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_method: str) -> None:
+def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_method: str,
+                  embedding: bool = False) -> None:
     """Process entry point of rank ``rank``: join, load the shard, follow rank 0."""
     import signal
 
@@ -60,7 +63,7 @@ def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_
     from qil_worker.cpu_memory import configure_process
     from qil_worker.engine.runner.follower import follow
     from qil_worker.model import Qwen3
-    from qil_worker.parallel.group import join_group, leave_group
+    from qil_worker.parallel.group import gather_ints, join_group, leave_group
     from qil_worker.service import logs
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front owns signals, as for rank 0
@@ -72,8 +75,10 @@ def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_
         torch.set_num_threads(config.threads)
     parallel = join_group(rank, world_size, init_method, device=config.device)
     model = Qwen3.from_directory(model_dir, device=config.device, dtype=config.dtype,
-                                 quantize=config.quantize, parallel=parallel)
-    log.info("tensor-parallel rank %d/%d: weights %d bytes", rank, world_size, model.weight_summary()[1])
+                                 quantize=config.quantize, parallel=parallel, embedding=embedding)
+    weight_bytes = model.weight_summary()[1]
+    gather_ints(parallel, weight_bytes)  # rank 0 reports every rank's weights (``startup.load``)
+    log.info("tensor-parallel rank %d/%d: weights %d bytes", rank, world_size, weight_bytes)
     steps = follow(model, config.engine)
     log.info("tensor-parallel rank %d stops after %d steps", rank, steps)
     leave_group()

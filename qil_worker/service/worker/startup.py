@@ -22,6 +22,8 @@ log = logging.getLogger("qil.worker")
 # requests with an in-band error and the server keeps serving; "N:K:device" raises what a
 # sticky CUDA error raises instead, to test that the worker is replaced.
 FAULT_FORWARD_ENV = "QIL_TEST_FAULT_FORWARD"
+# a worker's tensor-parallel ranks run on its own machine (``ranks.local_init_method``)
+NNODES = 1
 
 
 def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
@@ -34,6 +36,7 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
     from qil_worker.engine.memory import size_pool
     from qil_worker.engine.runner.model_runner import scratch_pages
     from qil_worker.model import Qwen3
+    from qil_worker.parallel.group import gather_ints
     from qil_worker.text.tokenizer import EncodingTraits, encoding_traits, tokenizer_summary
 
     configure_process(config.device)  # before the model: the first oneDNN call fixes them
@@ -47,13 +50,15 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         model_dir = str(ensure_demo_model())
         log.info("serving the embedded DEMO model (random weights) from %s", model_dir)
     t0 = time.perf_counter()
-    parallel = _tensor_parallel(config, model_dir)
     task = _resolve_task(config.task, model_dir)
+    embedding = task == "embed"
+    parallel = _tensor_parallel(config, model_dir, embedding)
     model = Qwen3.from_directory(
         model_dir, device=config.device, dtype=config.dtype, quantize=config.quantize, parallel=parallel,
-        embedding=task == "embed",
+        embedding=embedding,
     )
     weight_format, weight_bytes = model.weight_summary()
+    rank_bytes = gather_ints(parallel, weight_bytes)  # the followers send theirs after loading
     cfg = model.config
     tokenizer, tokenizer_dir = _load_tokenizer(config, model_dir, cfg.vocab_size)
     engine_config = config.engine
@@ -111,7 +116,10 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         max_token_bytes=traits.max_token_bytes,
         normal_form=traits.normal_form,
         weight_format=weight_format,
-        weight_bytes=weight_bytes,
+        weight_bytes=sum(rank_bytes),
+        tensor_parallel_size=parallel.world_size,
+        nnodes=NNODES,
+        rank_weight_bytes=max(rank_bytes),
         tokenizer_summary={} if tokenizer is None else tokenizer_summary(tokenizer, cfg.max_position_embeddings),
         architecture=cfg.architecture,
         num_experts=cfg.num_experts,
@@ -122,11 +130,12 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         task_explicit=config.task != "auto",
     )
     log.info(
-        "model %s (task %s) loaded and warm in %.2fs: %s; dtype %s, device %s, weights %s (%s); %d KV pages (%s); memory: %s; "
+        "model %s (task %s) loaded and warm in %.2fs: %s; dtype %s, device %s, weights %s (%s); "
+        "tensor parallel: %d rank(s) on %d node(s), at most %s of weights per rank; %d KV pages (%s); memory: %s; "
         "tokenizer: %s; prefix cache: %s; schedule: %s; attention: %s; decode CUDA graphs: %s; "
         "overlapped scheduling: %s; structured output: %s; %d start-up objects frozen for the GC",
         info.name, info.task, time.perf_counter() - t0, cfg.describe(), info.dtype, info.device, info.weight_format,
-        _mib(info.weight_bytes), pool.num_pages,
+        _mib(info.weight_bytes), info.tensor_parallel_size, info.nnodes, _mib(info.rank_weight_bytes), pool.num_pages,
         info.kv_pool, info.memory, tokenizer_dir or "none", "on" if info.prefix_cache else "off",
         info.schedule_policy, info.attention, "on" if info.cuda_graphs else "off",
         "on" if engine.overlap else "off", "on" if info.structured_output else "off", frozen,
@@ -191,9 +200,9 @@ def _install_forward_fault(model: Any, spec: str | None) -> None:
     log.warning("TEST FAULT INJECTION ON: forward calls %d..%d will raise", first_call, first_call + num - 1)
 
 
-def _tensor_parallel(config: P.WorkerConfig, model_dir: str) -> Any:
+def _tensor_parallel(config: P.WorkerConfig, model_dir: str, embedding: bool) -> Any:
     """This worker's place as rank 0 of ``tensor_parallel_size`` ranks (the others spawned and
-    joined here); the single-device state at 1."""
+    joined here, loading the model as rank 0 does: ``embedding``); the single-device state at 1."""
     from qil_worker.errors import ConfigError
     from qil_worker.parallel import SINGLE
     from qil_worker.parallel.group import join_group
@@ -206,7 +215,7 @@ def _tensor_parallel(config: P.WorkerConfig, model_dir: str) -> Any:
         # every rank allocates the same pool before rank 0 could size it
         raise ConfigError("tensor_parallel_size > 1 needs an explicit --num-pages (not --kv-memory-*)")
     init_method = local_init_method()
-    start_followers(config, model_dir, size, init_method)
+    start_followers(config, model_dir, size, init_method, embedding)
     log.info("tensor parallel: %d ranks (%s)", size, "NCCL" if config.device.startswith("cuda") else "gloo")
     return join_group(0, size, init_method, device=config.device)
 

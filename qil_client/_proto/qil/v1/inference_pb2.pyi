@@ -332,7 +332,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "demo", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "num_hidden_layers", "hidden_size", "has_tokenizer", "has_chat_template", "structured_output", "weight_format", "weight_bytes", "architecture", "num_experts", "num_experts_per_tok", "num_parameters", "num_active_parameters", "task")
+    __slots__ = ("name", "demo", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "num_hidden_layers", "hidden_size", "has_tokenizer", "has_chat_template", "structured_output", "weight_format", "weight_bytes", "architecture", "num_experts", "num_experts_per_tok", "num_parameters", "num_active_parameters", "task", "tensor_parallel_size", "nnodes", "rank_weight_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEMO_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +353,9 @@ class ModelInfo(_message.Message):
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NNODES_FIELD_NUMBER: _ClassVar[int]
+    RANK_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     demo: bool
     vocab_size: int
@@ -373,7 +376,10 @@ class ModelInfo(_message.Message):
     num_parameters: int
     num_active_parameters: int
     task: str
-    def __init__(self, name: _Optional[str] = ..., demo: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., structured_output: _Optional[bool] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., num_parameters: _Optional[int] = ..., num_active_parameters: _Optional[int] = ..., task: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    nnodes: int
+    rank_weight_bytes: int
+    def __init__(self, name: _Optional[str] = ..., demo: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., structured_output: _Optional[bool] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., num_parameters: _Optional[int] = ..., num_active_parameters: _Optional[int] = ..., task: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., nnodes: _Optional[int] = ..., rank_weight_bytes: _Optional[int] = ...) -> None: ...
 
 class EngineLimits(_message.Message):
     __slots__ = ("page_size", "token_budget", "prefill_chunk", "max_active", "max_queued", "max_request_id_length", "schedule_policy", "attention_backend", "cuda_graphs")
