@@ -61,6 +61,14 @@ def _add_model_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="split the model over N rank processes (gloo on CPU, NCCL on CUDA; --threads "
                    "each); needs an explicit --num-pages")
+    p.add_argument("--nnodes", type=positive_int, default=1,
+                   help="machines the --tensor-parallel-size ranks are spread over (as many on each); "
+                   "node 0 serves, the others run ranks only")
+    p.add_argument("--node-rank", type=non_negative_int, default=0,
+                   help="this machine's place among --nnodes (0 serves gRPC/HTTP)")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="with --nnodes > 1: node 0's address and a free port where the ranks meet "
+                   "(torch.distributed's TCP store, hosted by node 0's first rank)")
     p.add_argument(
         "--quantize", choices=QUANTIZE_CHOICES, default="none",
         help="store the linear weights quantized at load: int8 = per-output-channel int8, "
@@ -273,6 +281,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         use_tokenizer=not args.no_tokenizer,
         structured_warmup=not args.no_structured_warmup,
         tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
         log_level=args.log_level.upper(),
         log_format=args.log_format,
     )
@@ -311,6 +322,23 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     )
 
 
+def nodes_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the several-node flags, or None."""
+    if args.nnodes == 1:
+        if args.node_rank != 0 or args.dist_init_addr is not None:
+            return "--node-rank and --dist-init-addr are for --nnodes > 1"
+        return None
+    if args.node_rank >= args.nnodes:
+        return f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}"
+    if args.tensor_parallel_size % args.nnodes:
+        return (f"--tensor-parallel-size {args.tensor_parallel_size} does not split evenly over "
+                f"--nnodes {args.nnodes}")
+    host, _, port = (args.dist_init_addr or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"--nnodes > 1 needs --dist-init-addr HOST:PORT (got {args.dist_init_addr!r})"
+    return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logs.setup(args.log_level.upper(), args.log_format)
     if args.metrics_port is not None:
@@ -335,9 +363,17 @@ def run_serve(args: argparse.Namespace) -> int:
         # client certificates are a TLS feature: without it the server would run in plaintext
         print("error: --tls-client-ca needs --tls-cert and --tls-key", file=sys.stderr)
         return 2
+    why = nodes_problem(args)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     config = config_from_args(args)
     # read by glibc when the worker process starts: the front spawns it with this environment
     os.environ.update(with_huge_page_malloc(os.environ, args.device))
+    if args.node_rank > 0:  # ranks only: node 0 serves
+        from qil_worker.service.worker.node import serve_node
+
+        return serve_node(config.front.worker, announce=lambda line: print(line, flush=True))
 
     def announce(line: str) -> None:
         print(line, flush=True)

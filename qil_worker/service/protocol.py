@@ -80,7 +80,8 @@ class WorkerConfig:
     fraction of the free device memory (``kv_memory_fraction``). ``tokenizer``: None takes the
     model directory's when it has one; ``use_tokenizer`` False serves token ids only.
     ``structured_warmup``: build the grammar library's tokenizer tables before Ready.
-    ``tensor_parallel_size``: the worker and N-1 rank processes it spawns, each with its shard.
+    ``tensor_parallel_size``: the worker and N-1 rank processes it spawns, each with its shard
+    (with ``nnodes`` > 1: the ranks of node 0; the other nodes start theirs, ``worker.node``).
     """
 
     model: str | None = None  # None: the embedded demo model
@@ -97,6 +98,11 @@ class WorkerConfig:
     use_tokenizer: bool = True
     structured_warmup: bool = True
     tensor_parallel_size: int = 1  # ranks the model is split over (``qil_worker.parallel``)
+    # several nodes: ``tensor_parallel_size / nnodes`` ranks on each, joined at ``dist_init_addr``
+    # (host:port of node 0's rendezvous); node 0 runs this worker, the others ranks only
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"  # or "json"
 

@@ -1,7 +1,8 @@
 """``serve --tensor-parallel-size 2`` as a real server: the worker and the rank it spawns give
 the single-device engine's tokens; SIGKILL of that rank mid-stream ends the stream with an
 in-band error and the supervisor replaces the whole group (a new worker, a new rank). A headless
-embedding checkpoint is served sharded: Embed answers as transformers' pooling."""
+embedding checkpoint is served sharded: Embed answers as transformers' pooling. Two ``serve``
+processes stand in for two nodes (``--nnodes 2``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from qil_client import Client, QilError
 from safetensors.torch import load_file, save_file
 
 from checkpoints import make_checkpoint
-from service_fixtures import make_service_checkpoint, reference_outputs, start_server, wait_until
+from service_fixtures import (
+    free_port, make_service_checkpoint, reference_outputs, serve_process, start_server, wait_until,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(num_pages=256, page_size=16, token_budget=128, prefill_chunk=64, max_active=8)
@@ -121,3 +124,50 @@ def test_tp2_server_embeds_with_a_headless_checkpoint_and_tells_its_ranks(headle
 def _idle(c: Client) -> bool:
     info = c.info()
     return info.num_unfinished == 0 and info.pages.used == 0
+
+
+def test_two_serve_processes_as_two_nodes_give_tp1_tokens_and_rejoin_after_a_lost_rank(model_dir):
+    """Node 1 runs rank 1 only; node 0 serves, with rank 0 in its worker. Killing node 1's rank
+    mid-stream fails the group: node 0's supervisor replaces its worker, node 1 starts its rank
+    again, and the new group gives the same tokens. SIGTERM stops each node cleanly."""
+    expected = reference_outputs(model_dir, PROMPTS, 12, engine=ENGINE)
+    nodes = ["--model", str(model_dir), "--tensor-parallel-size", "2", "--nnodes", "2",
+             "--dist-init-addr", f"127.0.0.1:{free_port()}", "--num-pages", "256", "--page-size", "16",
+             "--token-budget", "128", "--prefill-chunk", "64", "--max-active", "8"]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "qil_worker", "serve", *nodes, "--node-rank", "1", "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    node0 = None
+    try:
+        assert node1.stdout.readline().startswith("qil node 1 of 2: ranks 1..1 of 2, meeting at tcp://127.0.0.1:")
+        node0, target, _ = serve_process(*nodes, "--node-rank", "0")
+        with Client(target, timeout=120) as c:
+            info = c.info()
+            assert (info.model.tensor_parallel_size, info.model.nnodes) == (2, 2)
+            assert [list(c.generate(p, max_new_tokens=12).token_ids) for p in PROMPTS] == expected
+            (rank1,) = _children(node1.pid)
+            # node 0 starts no rank of its own beside its worker's rank 0
+            assert [p for p in _children(info.worker.pid) if _comm(p) != "resource_tracker"] == []
+            stream = c.stream([1, 2, 3], max_new_tokens=4000)
+            assert next(stream).token_ids
+            os.kill(rank1, signal.SIGKILL)
+            events = list(stream)
+            assert events and "tensor-parallel group failed" in events[-1].error
+            wait_until(lambda: _serving_again(c, info.worker.pid), timeout=180, interval=0.2)
+            assert c.info().worker.restarts == 1
+            assert [list(c.generate(p, max_new_tokens=12).token_ids) for p in PROMPTS] == expected
+            assert len(_children(node1.pid)) == 1 and _children(node1.pid) != [rank1]
+            wait_until(lambda: _idle(c), timeout=30)
+        node0.send_signal(signal.SIGTERM)
+        assert node0.wait(60) == 0
+        rank = _children(node1.pid)
+        node1.send_signal(signal.SIGTERM)
+        assert node1.wait(60) == 0
+        assert node1.stdout.read().strip().endswith("qil node 1 stopped")
+        wait_until(lambda: all(_comm(p) == "gone" for p in rank), timeout=30)
+    finally:
+        for proc in (node0, node1):
+            if proc is not None and proc.poll() is None:
+                proc.kill()

@@ -26,15 +26,30 @@ def local_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def init_method_of(config: Any) -> str:
+    """Where the ranks of the worker ``config`` meet: node 0's ``dist_init_addr`` across
+    several nodes, else a free local port."""
+    if config.nnodes > 1:
+        return f"tcp://{config.dist_init_addr}"
+    return local_init_method()
+
+
+def node_ranks(config: Any) -> range:
+    """The ranks the node ``config.node_rank`` of ``config.nnodes`` runs (rank 0 on node 0)."""
+    per_node = config.tensor_parallel_size // config.nnodes
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+
+
 def start_followers(config: Any, model_dir: str, world_size: int, init_method: str,
-                    embedding: bool = False) -> list[subprocess.Popen]:
-    """Start ranks 1..``world_size``-1 of the worker ``config`` (a ``WorkerConfig``) → their
-    processes; ``embedding``: the worker serves the model as an embedding model (its resolved
-    task is embed), so each rank loads a headless checkpoint as rank 0 does, without a head.
-    Fresh interpreters (``python -m qil_worker.service.worker.ranks``, their arguments pickled
-    on stdin): the worker is a daemon process, which multiprocessing lets have no children."""
+                    embedding: bool = False, ranks: range | None = None) -> list[subprocess.Popen]:
+    """Start ``ranks`` (default 1..``world_size``-1) of the worker ``config`` (a
+    ``WorkerConfig``) → their processes; ``embedding``: the worker serves the model as an
+    embedding model (its resolved task is embed), so each rank loads a headless checkpoint as
+    rank 0 does, without a head. Fresh interpreters (``python -m qil_worker.service.worker.ranks``,
+    their arguments pickled on stdin): the worker is a daemon process, which multiprocessing
+    lets have no children."""
     procs = []
-    for rank in range(1, world_size):
+    for rank in ranks if ranks is not None else range(1, world_size):
         proc = subprocess.Popen([sys.executable, "-m", "qil_worker.service.worker.ranks"], stdin=subprocess.PIPE)
         proc.stdin.write(pickle.dumps((config, model_dir, rank, world_size, init_method, embedding)))
         proc.stdin.close()

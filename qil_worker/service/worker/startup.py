@@ -22,8 +22,6 @@ log = logging.getLogger("qil.worker")
 # requests with an in-band error and the server keeps serving; "N:K:device" raises what a
 # sticky CUDA error raises instead, to test that the worker is replaced.
 FAULT_FORWARD_ENV = "QIL_TEST_FAULT_FORWARD"
-# a worker's tensor-parallel ranks run on its own machine (``ranks.local_init_method``)
-NNODES = 1
 
 
 def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
@@ -50,7 +48,7 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         model_dir = str(ensure_demo_model())
         log.info("serving the embedded DEMO model (random weights) from %s", model_dir)
     t0 = time.perf_counter()
-    task = _resolve_task(config.task, model_dir)
+    task = resolve_task(config.task, model_dir)
     embedding = task == "embed"
     parallel = _tensor_parallel(config, model_dir, embedding)
     model = Qwen3.from_directory(
@@ -118,7 +116,7 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
         weight_format=weight_format,
         weight_bytes=sum(rank_bytes),
         tensor_parallel_size=parallel.world_size,
-        nnodes=NNODES,
+        nnodes=config.nnodes,
         rank_weight_bytes=max(rank_bytes),
         tokenizer_summary={} if tokenizer is None else tokenizer_summary(tokenizer, cfg.max_position_embeddings),
         architecture=cfg.architecture,
@@ -206,7 +204,7 @@ def _tensor_parallel(config: P.WorkerConfig, model_dir: str, embedding: bool) ->
     from qil_worker.errors import ConfigError
     from qil_worker.parallel import SINGLE
     from qil_worker.parallel.group import join_group
-    from qil_worker.service.worker.ranks import local_init_method, start_followers
+    from qil_worker.service.worker.ranks import init_method_of, node_ranks, start_followers
 
     size = config.tensor_parallel_size
     if size == 1:
@@ -214,9 +212,10 @@ def _tensor_parallel(config: P.WorkerConfig, model_dir: str, embedding: bool) ->
     if config.kv_memory_bytes is not None or config.kv_memory_fraction is not None:
         # every rank allocates the same pool before rank 0 could size it
         raise ConfigError("tensor_parallel_size > 1 needs an explicit --num-pages (not --kv-memory-*)")
-    init_method = local_init_method()
-    start_followers(config, model_dir, size, init_method, embedding)
-    log.info("tensor parallel: %d ranks (%s)", size, "NCCL" if config.device.startswith("cuda") else "gloo")
+    init_method = init_method_of(config)
+    start_followers(config, model_dir, size, init_method, embedding, ranks=node_ranks(config)[1:])
+    log.info("tensor parallel: %d ranks on %d node(s) (%s), meeting at %s", size, config.nnodes,
+             "NCCL" if config.device.startswith("cuda") else "gloo", init_method)
     return join_group(0, size, init_method, device=config.device)
 
 
@@ -287,7 +286,7 @@ def pool_stats(engine: Any) -> P.PoolStats:
     )
 
 
-def _resolve_task(requested: str, model_dir: str) -> str:
+def resolve_task(requested: str, model_dir: str) -> str:
     """The server's task (``qil_worker.task.resolve``) from the checkpoint's embedding marks."""
     from qil_worker.model.embedding_checkpoint import detect
     from qil_worker.task import resolve
