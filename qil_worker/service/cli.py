@@ -60,7 +60,7 @@ def _add_model_arguments(p: argparse._ArgumentGroup) -> None:
                    help="torch threads in the worker (default: torch's, one per core)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="split the model over N rank processes (gloo on CPU, NCCL on CUDA; --threads "
-                   "each); needs an explicit --num-pages")
+                   "each); --kv-memory-* sizes the pool on every rank, and the fewest pages are taken")
     p.add_argument("--nnodes", type=positive_int, default=1,
                    help="machines the --tensor-parallel-size ranks are spread over (as many on each); "
                    "node 0 serves, the others run ranks only")

@@ -78,6 +78,24 @@ def test_tp2_server_gives_tp1_tokens_and_survives_a_killed_rank(model_dir):
             assert len([p for p in _children(info.worker.pid) if _comm(p) != "resource_tracker"]) == 1
 
 
+def test_tp2_server_sizes_its_pool_from_a_byte_budget_on_every_rank(model_dir):
+    """``--kv-memory-bytes`` at TP 2: each rank sizes the pool for its own heads' pages and all
+    take the fewest; rank 0's pages are its shard's, and generation runs on the agreed pool."""
+    expected = reference_outputs(model_dir, PROMPTS, 12, engine=ENGINE)
+    budget = 3 << 20
+    engine = {k: v for k, v in ENGINE.items() if k != "num_pages"}
+    with start_server(model_dir, engine=engine, tensor_parallel_size=2, kv_memory_bytes=budget) as srv:
+        with Client(srv.target, timeout=120) as c:
+            pages = c.info().pages
+            single = start_server(model_dir, engine=engine, kv_memory_bytes=budget)
+            with single, Client(single.target, timeout=120) as one:
+                whole = one.info().pages
+            assert pages.page_bytes * 2 == whole.page_bytes  # each rank holds half the KV heads
+            assert pages.total == budget // pages.page_bytes == 2 * whole.total
+            assert [list(c.generate(p, max_new_tokens=12).token_ids) for p in PROMPTS] == expected
+            wait_until(lambda: _idle(c), timeout=30)
+
+
 def _comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline") as f:

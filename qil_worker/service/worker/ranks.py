@@ -71,6 +71,7 @@ def _die_with_parent() -> None:
 def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_method: str,
                   embedding: bool = False) -> None:
     """Process entry point of rank ``rank``: join, load the shard, follow rank 0."""
+    import dataclasses
     import signal
 
     import torch
@@ -80,6 +81,7 @@ def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_
     from qil_worker.model import Qwen3
     from qil_worker.parallel.group import gather_ints, join_group, leave_group
     from qil_worker.service import logs
+    from qil_worker.service.worker.startup import agreed_pool
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front owns signals, as for rank 0
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -93,8 +95,10 @@ def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_
                                  quantize=config.quantize, parallel=parallel, embedding=embedding)
     weight_bytes = model.weight_summary()[1]
     gather_ints(parallel, weight_bytes)  # rank 0 reports every rank's weights (``startup.load``)
-    log.info("tensor-parallel rank %d/%d: weights %d bytes", rank, world_size, weight_bytes)
-    steps = follow(model, config.engine)
+    pool = agreed_pool(model, config, parallel)  # as rank 0 does, after the same exchange
+    log.info("tensor-parallel rank %d/%d: weights %d bytes, %d KV pages", rank, world_size, weight_bytes,
+             pool.num_pages)
+    steps = follow(model, dataclasses.replace(config.engine, num_pages=pool.num_pages))
     log.info("tensor-parallel rank %d stops after %d steps", rank, steps)
     leave_group()
 

@@ -31,8 +31,6 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
 
     from qil_worker.cpu_memory import configure_process
     from qil_worker.engine import Engine
-    from qil_worker.engine.memory import size_pool
-    from qil_worker.engine.runner.model_runner import scratch_pages
     from qil_worker.model import Qwen3
     from qil_worker.parallel.group import gather_ints
     from qil_worker.text.tokenizer import EncodingTraits, encoding_traits, tokenizer_summary
@@ -59,17 +57,9 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
     rank_bytes = gather_ints(parallel, weight_bytes)  # the followers send theirs after loading
     cfg = model.config
     tokenizer, tokenizer_dir = _load_tokenizer(config, model_dir, cfg.vocab_size)
-    engine_config = config.engine
-    memory_bytes, memory_fraction = config.kv_memory_bytes, config.kv_memory_fraction
-    sized = memory_bytes is not None or memory_fraction is not None  # else: engine_config.num_pages
-    scratch = scratch_pages(model, engine_config.cuda_graphs, engine_config.debug)
-    pool = size_pool(
-        model, engine_config.page_size, num_pages=None if sized else engine_config.num_pages,
-        memory_bytes=memory_bytes, memory_fraction=memory_fraction, warmup_tokens=engine_config.token_budget,
-        reserved_pages=scratch, graphs=scratch > 0,  # the scratch page means graphs
-    )
+    pool = agreed_pool(model, config, parallel)
     # retained_results=0: results reach the front in the final events, none is read back
-    engine_config = dataclasses.replace(engine_config, num_pages=pool.num_pages, retained_results=0)
+    engine_config = dataclasses.replace(config.engine, num_pages=pool.num_pages, retained_results=0)
     engine = Engine(model, engine_config, tokenizer=tokenizer)
     _warm_up(engine, cfg.vocab_size)
     _install_forward_fault(model, os.environ.get(FAULT_FORWARD_ENV))
@@ -198,10 +188,34 @@ def _install_forward_fault(model: Any, spec: str | None) -> None:
     log.warning("TEST FAULT INJECTION ON: forward calls %d..%d will raise", first_call, first_call + num - 1)
 
 
+def agreed_pool(model: Any, config: P.WorkerConfig, parallel: Any) -> Any:
+    """The KV pool ``config`` asks for (pages, a byte budget or a fraction of free device
+    memory), sized by every rank of ``parallel`` for its own shard and device, and the fewest
+    pages any rank can hold taken by all: rank 0's scheduler hands out one pool's pages, which
+    every rank holds its heads of. Each rank calls it at the same point of its start-up (a
+    fraction's warm-up forward runs on all ranks together)."""
+    from qil_worker.engine.memory import size_pool
+    from qil_worker.engine.runner.model_runner import scratch_pages
+    from qil_worker.parallel.group import gather_ints
+
+    engine_config = config.engine
+    memory_bytes, memory_fraction = config.kv_memory_bytes, config.kv_memory_fraction
+    sized = memory_bytes is not None or memory_fraction is not None  # else: engine_config.num_pages
+    scratch = scratch_pages(model, engine_config.cuda_graphs, engine_config.debug)
+    pool = size_pool(
+        model, engine_config.page_size, num_pages=None if sized else engine_config.num_pages,
+        memory_bytes=memory_bytes, memory_fraction=memory_fraction, warmup_tokens=engine_config.token_budget,
+        reserved_pages=scratch, graphs=scratch > 0,  # the scratch page means graphs
+    )
+    fewest = min(gather_ints(parallel, pool.num_pages))
+    if fewest == pool.num_pages:
+        return pool
+    return dataclasses.replace(pool, num_pages=fewest, reason=f"{pool.reason}, the fewest pages of any rank")
+
+
 def _tensor_parallel(config: P.WorkerConfig, model_dir: str, embedding: bool) -> Any:
     """This worker's place as rank 0 of ``tensor_parallel_size`` ranks (the others spawned and
     joined here, loading the model as rank 0 does: ``embedding``); the single-device state at 1."""
-    from qil_worker.errors import ConfigError
     from qil_worker.parallel import SINGLE
     from qil_worker.parallel.group import join_group
     from qil_worker.service.worker.ranks import init_method_of, node_ranks, start_followers
@@ -209,9 +223,6 @@ def _tensor_parallel(config: P.WorkerConfig, model_dir: str, embedding: bool) ->
     size = config.tensor_parallel_size
     if size == 1:
         return SINGLE
-    if config.kv_memory_bytes is not None or config.kv_memory_fraction is not None:
-        # every rank allocates the same pool before rank 0 could size it
-        raise ConfigError("tensor_parallel_size > 1 needs an explicit --num-pages (not --kv-memory-*)")
     init_method = init_method_of(config)
     start_followers(config, model_dir, size, init_method, embedding, ranks=node_ranks(config)[1:])
     log.info("tensor parallel: %d ranks on %d node(s) (%s), meeting at %s", size, config.nnodes,
