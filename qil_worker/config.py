@@ -40,22 +40,45 @@ class Fp8Quantization:
     modules_to_not_convert: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class AwqQuantization:
+    """``quantization_config`` of an AutoAWQ GEMM checkpoint: the decoder's linear layers as
+    4-bit codes with a zero point and an fp16 scale per ``group_size`` inputs
+    (``model/awq.py``); ``modules_to_not_convert`` stay in a float dtype."""
+
+    group_size: int = 128
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+Quantization = Fp8Quantization | AwqQuantization
+
 # What transformers' FineGrainedFP8Config assumes where the checkpoint is silent.
 _FP8_DEFAULTS = {"fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "float"}
 FP8_BLOCK_SIZE = (128, 128)
+# What qil computes of AutoAWQ's formats (absent zero_point: AwqConfig's default, true).
+_AWQ_SUPPORTED = {"bits": 4, "zero_point": True, "version": "gemm"}
 
 
-def _quantization(raw: Any) -> Fp8Quantization | None:
-    """Validate ``quantization_config`` (None when absent): only the FP8 scheme Qwen publishes."""
+def _quantization(raw: Any, model_type: str = "qwen3") -> Quantization | None:
+    """Validate ``quantization_config`` (None when absent): Qwen's FP8 scheme, or AutoAWQ's
+    4-bit GEMM (dense Qwen3 only: no AWQ expert loading)."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError(f"quantization_config: expected an object, got {raw!r}")
     method = raw.get("quant_method")
+    if method == "awq":
+        if model_type != "qwen3":
+            raise ConfigError(
+                f"quantization_config.quant_method: 'awq' is supported for dense Qwen3 only, not "
+                f"model_type {model_type!r} (AWQ experts are not loaded yet)"
+            )
+        return awq_quantization(raw)
     if method != "fp8":
         raise ConfigError(
             f"quantization_config.quant_method: {method!r} is not supported; qil loads "
-            "'fp8' (block-wise float8_e4m3fn) checkpoints and unquantized ones"
+            "'fp8' (block-wise float8_e4m3fn) and 'awq' (AutoAWQ 4-bit GEMM) checkpoints and "
+            "unquantized ones"
         )
     for field, supported in _FP8_DEFAULTS.items():
         value = raw.get(field, supported)
@@ -74,6 +97,40 @@ def _quantization(raw: Any) -> Fp8Quantization | None:
             f"quantization_config.modules_to_convert: {raw['modules_to_convert']!r} is not "
             "supported (only the decoder's linear layers may be FP8)"
         )
+    return Fp8Quantization(block_size=FP8_BLOCK_SIZE, modules_to_not_convert=_modules_to_not_convert(raw))
+
+
+def awq_quantization(raw: dict[str, Any]) -> AwqQuantization:
+    """An AutoAWQ ``quantization_config``: 4-bit GEMM with zero points and a positive group
+    size, else a ``ConfigError`` naming the key. transformers 5 writes the packing as
+    ``format``, AutoAWQ as ``version``: either is read, and both must agree."""
+    version, fmt = raw.get("version"), raw.get("format")
+    if version is not None and fmt is not None and str(version).lower() != str(fmt).lower():
+        raise ConfigError(
+            f"quantization_config.format: {fmt!r} disagrees with version {version!r}; they are "
+            "two spellings of the AWQ packing"
+        )
+    for key, want in _AWQ_SUPPORTED.items():
+        name = "format" if key == "version" and version is None and fmt is not None else key
+        stated = raw.get(name)
+        value = want if key == "zero_point" and stated is None else stated
+        if isinstance(value, str):
+            value = value.lower()
+        if value != want or isinstance(value, bool) != isinstance(want, bool):
+            raise ConfigError(
+                f"quantization_config.{name}: {stated!r} is not supported for awq (only {want!r})"
+            )
+    group = raw.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
+        raise ConfigError(
+            f"quantization_config.group_size: {group!r} is not supported for awq (a positive "
+            "integer; -1, one group per column, is not)"
+        )
+    return AwqQuantization(group_size=group, modules_to_not_convert=_modules_to_not_convert(raw))
+
+
+def _modules_to_not_convert(raw: dict[str, Any]) -> tuple[str, ...]:
+    """The module patterns a quantized checkpoint keeps unquantized, validated."""
     skip = raw.get("modules_to_not_convert")
     if skip is None:  # MiniMax's spelling, which transformers accepts too
         skip = raw.get("ignored_layers")
@@ -89,7 +146,7 @@ def _quantization(raw: Any) -> Fp8Quantization | None:
             raise ConfigError(
                 f"quantization_config.modules_to_not_convert: {pattern!r} is not a valid pattern ({exc})"
             ) from None
-    return Fp8Quantization(block_size=FP8_BLOCK_SIZE, modules_to_not_convert=tuple(skip))
+    return tuple(skip)
 
 
 # Where config.json is silent, transformers' Qwen3Config defaults decide what the weights mean.
@@ -128,7 +185,7 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
-    quantization: Fp8Quantization | None = None
+    quantization: Quantization | None = None
     # Qwen3-MoE (architecture "qwen3_moe"); a dense model has no experts
     architecture: str = "qwen3"
     num_experts: int = 0
@@ -236,7 +293,7 @@ class Qwen3Config:
             max_position_embeddings=_positive_int(raw, "max_position_embeddings", default_positions),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            quantization=_quantization(raw.get("quantization_config")),
+            quantization=_quantization(raw.get("quantization_config"), model_type),
             architecture=model_type,
             **experts,
         )

@@ -1,5 +1,6 @@
 """A Hugging Face Qwen3 directory → a ready ``Qwen3``: config, dtype, strict weights, then the
-load-time policy (FP8 kept or dequantized, int8 quantization, oneDNN packing) and its log lines.
+load-time policy (FP8 kept or dequantized, AWQ int4, int8/int4 quantization, oneDNN packing) and
+its log lines.
 
 ``Qwen3.from_directory`` is the entry point and hands its class to ``build_model`` (so this
 module needs no import of the model's). config.json's ``model_type`` decides the architecture:
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qil_worker.config import Qwen3Config
+from qil_worker.config import AwqQuantization, Fp8Quantization, Qwen3Config
 from qil_worker.errors import ConfigError
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
 from qil_worker.parallel import SINGLE, ParallelState, check_tp_size
@@ -51,7 +52,8 @@ def build_model(
     projections only, experts are always dequantized), else dequantizes to ``dtype`` at load;
     ``"dequantize"`` always does. ``quantize``: None (or "none") keeps the weights in the compute
     dtype; "int8" quantizes them at load (``Qwen3.quantize_weights``), before packing — an FP8
-    checkpoint is then dequantized first, whatever ``fp8`` says. ``parallel``: this rank's place
+    checkpoint is then dequantized first, whatever ``fp8`` says. An AWQ checkpoint's projections
+    load as int4 (``awq_loading.py``), and any ``quantize`` with it is a ``ConfigError``. ``parallel``: this rank's place
     in a tensor-parallel group; the model is refused (``ConfigError`` naming the fields and the
     sizes that work) unless its shapes split over ``parallel.world_size``, and the rank loads only
     its slices of the weights. ``embedding``: the caller serves it as an embedding model, so a
@@ -70,6 +72,12 @@ def build_model(
         config = dataclasses.replace(config, headless=True)
     check_tp_size(config, parallel.world_size)
     quantize = resolve_quantize(quantize)
+    awq = isinstance(config.quantization, AwqQuantization)
+    if awq and quantize is not None:
+        raise ConfigError(
+            f"quantize: {quantize!r} cannot be applied to an AWQ checkpoint, whose projections load "
+            "as int4 already (quantization_config.quant_method 'awq'); leave quantize unset ('none')"
+        )
     device = resolve_device(device)
     checkpoint_dtype = config.torch_dtype
     if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
@@ -78,7 +86,8 @@ def build_model(
         config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
         fused_projections=fused_projections, parallel=parallel,
     )
-    keep_fp8 = config.quantization is not None and fp8 == "auto" and quantize is None
+    is_fp8 = isinstance(config.quantization, Fp8Quantization)
+    keep_fp8 = is_fp8 and fp8 == "auto" and quantize is None
     kernels = fp8_linear.cuda_kernels(device) if keep_fp8 else []
     kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {} if kernels else None
     load_weights(model, Path(path), keep_fp8=kept)
@@ -87,8 +96,11 @@ def build_model(
         model.quantize_weights(quantize)
     if pack_weights:
         model.pack_weights()
-    if config.quantization is not None:
+    if is_fp8:
         log.info("%s", fp8_linear.describe(model, summary))
+    elif awq:
+        formats, size = model.weight_summary()
+        log.info("AWQ checkpoint: %s; weights in memory %.1f MiB", formats, size / 2**20)
     if config.is_moe:
         log.info("%s", config.describe())
     return model.eval()

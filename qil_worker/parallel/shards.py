@@ -107,8 +107,8 @@ def check_tp_size(config: Qwen3Config, world_size: int) -> None:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
     if config.quantization is not None and world_size > 1:
         raise ConfigError(
-            "tensor_parallel_size: FP8 checkpoints (quantization_config) are not split across ranks "
-            "yet; serve them with tensor_parallel_size 1"
+            "tensor_parallel_size: quantized checkpoints (quantization_config: FP8, AWQ) are not "
+            "split across ranks yet; serve them with tensor_parallel_size 1"
         )
     problems = tp_problems(config, world_size)
     if problems:

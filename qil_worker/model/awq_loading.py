@@ -1,0 +1,169 @@
+"""An AutoAWQ checkpoint's linears mapped onto qil's projections: the tensors a model expects,
+their layout checked from the shards' headers, and the ``Int4Linear`` each projection becomes.
+
+qil fuses projections (q and k, or q, k and v; gate and up: ``DecoderLayer``, ``GatedMLP``),
+where the checkpoint stores each linear on its own (``<module>.qweight``, ``.qzeros``,
+``.scales``: ``awq.py``). A projection whose parts are all AWQ becomes one ``Int4Linear``: each
+part unpacked to codes [N_i, K] and scales and minimums [N_i, K/G], concatenated along the
+outputs in the projection's row order. The parts share K and the group size, so their groups
+line up, and the fused projection stays one matmul. A projection of which
+``modules_to_not_convert`` keeps only some parts in a float dtype stays a dense ``Linear``: its
+AWQ parts are dequantized into it. The LM head, embedding and norms are never AWQ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from qil_worker.config import AwqQuantization
+from qil_worker.model import awq, fp8
+from qil_worker.model.fp8 import TensorHeader
+from qil_worker.model.int4_linear import Int4Linear, dequantize
+from qil_worker.model.linear import Linear
+
+LABEL = "awq int4"
+SUFFIXES = ("qweight", "qzeros", "scales")
+INT32 = "I32"
+SCALE_DTYPES = ("F16", "BF16", "F32")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint linear inside a projection: ``module`` [out_features, in_features]."""
+
+    module: str
+    out_features: int
+    in_features: int
+
+    @property
+    def weight(self) -> str:
+        """The dense weight's name, which an AWQ checkpoint does not have."""
+        return self.module + ".weight"
+
+
+@dataclass
+class Projection:
+    """A projection (``parent.attr``) with AWQ parts, in its row order; ``views``: where each
+    part is dequantized when the projection stays dense (``dense``: some part is not AWQ)."""
+
+    parent: nn.Module
+    attr: str
+    parts: list[Part]
+    dense: bool
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class AwqPlan:
+    """Every AWQ linear of a model, by projection."""
+
+    group_size: int
+    projections: list[Projection]
+
+    @property
+    def parts(self) -> list[Part]:
+        return [part for projection in self.projections for part in projection.parts]
+
+    def weights(self) -> set[str]:
+        """The dense weight names the AWQ tensors stand in for."""
+        return {part.weight for part in self.parts}
+
+    def tensors(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+        """Checkpoint name → (shape, the dtypes it may be stored in) of every AWQ tensor."""
+        out: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+        g = self.group_size
+        for part in self.parts:
+            n, k = part.out_features, part.in_features
+            out[f"{part.module}.qweight"] = ((k, n // awq.PACK), (INT32,))
+            out[f"{part.module}.qzeros"] = ((k // g, n // awq.PACK), (INT32,))
+            out[f"{part.module}.scales"] = ((k // g, n), SCALE_DTYPES)
+        return out
+
+
+def plan(model: nn.Module, quantization: AwqQuantization) -> AwqPlan:
+    """Which of ``model``'s projections (every plain ``Linear`` but the LM head) hold which AWQ
+    linears: the decoder's q/k/v/o and gate/up/down not kept by ``modules_to_not_convert``."""
+    targets = model.weight_targets()
+    by_storage: dict[int, list[str]] = {}
+    for name, view in targets.items():
+        by_storage.setdefault(view.untyped_storage().data_ptr(), []).append(name)
+    projections: list[Projection] = []
+    for parent in list(model.modules()):
+        for attr, child in parent.named_children():
+            if type(child) is not Linear or child is getattr(model, "head", None):
+                continue
+            names = sorted(by_storage.get(child.weight.untyped_storage().data_ptr(), []),
+                           key=lambda n: targets[n].storage_offset())
+            quantized = [n for n in names if fp8.QUANTIZED_LINEAR.fullmatch(n)
+                         and not fp8.skips_module(n.removesuffix(".weight"), quantization.modules_to_not_convert)]
+            if not quantized:
+                continue
+            dense = len(quantized) != len(names)
+            parts = [Part(n.removesuffix(".weight"), *targets[n].shape) for n in quantized]
+            projections.append(Projection(parent, attr, parts, dense, [targets[n] for n in quantized] if dense else []))
+    return AwqPlan(quantization.group_size, projections)
+
+
+def check_layout(awq_plan: AwqPlan, found: dict[str, TensorHeader]) -> list[str]:
+    """Every AWQ layout problem, each naming its tensor: a linear whose shape AWQ cannot pack,
+    a missing, mis-shaped or wrongly typed qweight, qzeros or scales. A dense weight where an
+    AWQ linear belongs, or an AWQ tensor of a module that is not one, is the generic check's
+    (``loader.check_weights``: unknown)."""
+    problems: list[str] = []
+    g = awq_plan.group_size
+    for part in awq_plan.parts:
+        if part.out_features % awq.PACK or part.in_features % g:
+            problems.append(
+                f"not AWQ-packable: {part.module} [{part.out_features}, {part.in_features}] needs outputs a "
+                f"multiple of {awq.PACK} and inputs a multiple of group_size {g}"
+            )
+    if problems:
+        return problems
+    for name, (shape, dtypes) in awq_plan.tensors().items():
+        header = found.get(name)
+        spelled = "int32" if dtypes == (INT32,) else "/".join(dtypes)
+        if header is None:
+            problems.append(f"missing: {name} (expected shape {shape} {spelled})")
+        elif header.shape != shape:
+            problems.append(f"mis-shaped: {name} expected {shape}, got {header.shape}")
+        elif header.dtype not in dtypes:
+            problems.append(f"bad dtype: {name} is {header.dtype}; expected {spelled}")
+    return problems
+
+
+def load(awq_plan: AwqPlan, found: dict[str, TensorHeader], stored: dict[str, str],
+         dtype: torch.dtype, device: torch.device) -> int:
+    """Read every AWQ linear (the layout already checked) and put each projection in place: an
+    ``Int4Linear`` in ``dtype`` swapped in for it, or (``dense``) its parts dequantized into
+    its weight. ``stored``: a name's own in the file, where it differs. → how many
+    ``Int4Linear``s."""
+    swapped = 0
+    with contextlib.ExitStack() as files:
+        handles: dict[Path, object] = {}
+
+        def read(name: str) -> torch.Tensor:
+            path = found[name].path
+            if path not in handles:
+                handles[path] = files.enter_context(safe_open(str(path), framework="pt"))
+            return handles[path].get_tensor(stored.get(name, name)).to(device)
+
+        with torch.no_grad():
+            for projection in awq_plan.projections:
+                scale_dtype = torch.float32 if projection.dense else dtype
+                unpacked = [awq.unpack(*(read(f"{part.module}.{s}") for s in SUFFIXES), awq_plan.group_size,
+                                       scale_dtype, part.module) for part in projection.parts]
+                if projection.dense:
+                    for view, (codes, scales, mins) in zip(projection.views, unpacked):
+                        view.copy_(dequantize(codes, scales, mins))
+                    continue
+                codes, scales, mins = (torch.cat(t) if len(unpacked) > 1 else t[0] for t in zip(*unpacked))
+                del unpacked
+                setattr(projection.parent, projection.attr, Int4Linear(codes, scales, mins, label=LABEL))
+                swapped += 1
+    return swapped
