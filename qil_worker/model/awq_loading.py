@@ -14,7 +14,7 @@ AWQ parts are dequantized into it. The LM head, embedding and norms are never AW
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,14 +49,13 @@ class Part:
 
 @dataclass
 class Projection:
-    """A projection (``parent.attr``) with AWQ parts, in its row order; ``views``: where each
-    part is dequantized when the projection stays dense (``dense``: some part is not AWQ)."""
+    """A projection (``parent.attr``) with AWQ parts, in its row order; ``dense``: some part is
+    not AWQ, so the projection stays a ``Linear`` and its AWQ parts are dequantized into it."""
 
     parent: nn.Module
     attr: str
     parts: list[Part]
     dense: bool
-    views: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -86,19 +85,25 @@ class AwqPlan:
         return out
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    """Which allocation ``tensor`` views; meta tensors too (they have no data pointer)."""
+    return tensor.untyped_storage()._cdata
+
+
 def plan(model: nn.Module, quantization: AwqQuantization) -> AwqPlan:
     """Which of ``model``'s projections (every plain ``Linear`` but the LM head) hold which AWQ
-    linears: the decoder's q/k/v/o and gate/up/down not kept by ``modules_to_not_convert``."""
+    linears: the decoder's q/k/v/o and gate/up/down not kept by ``modules_to_not_convert``.
+    Shapes only: the weights may be deferred (``linear.deferred_weights``)."""
     targets = model.weight_targets()
     by_storage: dict[int, list[str]] = {}
     for name, view in targets.items():
-        by_storage.setdefault(view.untyped_storage().data_ptr(), []).append(name)
+        by_storage.setdefault(_storage(view), []).append(name)
     projections: list[Projection] = []
     for parent in list(model.modules()):
         for attr, child in parent.named_children():
             if type(child) is not Linear or child is getattr(model, "head", None):
                 continue
-            names = sorted(by_storage.get(child.weight.untyped_storage().data_ptr(), []),
+            names = sorted(by_storage.get(_storage(child.weight), []),
                            key=lambda n: targets[n].storage_offset())
             quantized = [n for n in names if fp8.QUANTIZED_LINEAR.fullmatch(n)
                          and not fp8.skips_module(n.removesuffix(".weight"), quantization.modules_to_not_convert)]
@@ -106,8 +111,17 @@ def plan(model: nn.Module, quantization: AwqQuantization) -> AwqPlan:
                 continue
             dense = len(quantized) != len(names)
             parts = [Part(n.removesuffix(".weight"), *targets[n].shape) for n in quantized]
-            projections.append(Projection(parent, attr, parts, dense, [targets[n] for n in quantized] if dense else []))
+            projections.append(Projection(parent, attr, parts, dense))
     return AwqPlan(quantization.group_size, projections)
+
+
+def materialize_dense(model: nn.Module, awq_plan: AwqPlan) -> None:
+    """Allocate every deferred ``Linear`` weight the checkpoint fills densely: all but those of
+    the projections that become ``Int4Linear``s."""
+    swapped = {id(getattr(p.parent, p.attr)) for p in awq_plan.projections if not p.dense}
+    for module in model.modules():
+        if isinstance(module, Linear) and id(module) not in swapped:
+            module.materialize()
 
 
 def check_layout(awq_plan: AwqPlan, found: dict[str, TensorHeader]) -> list[str]:
@@ -138,11 +152,11 @@ def check_layout(awq_plan: AwqPlan, found: dict[str, TensorHeader]) -> list[str]
 
 
 def load(awq_plan: AwqPlan, found: dict[str, TensorHeader], stored: dict[str, str],
-         dtype: torch.dtype, device: torch.device) -> int:
+         targets: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> int:
     """Read every AWQ linear (the layout already checked) and put each projection in place: an
     ``Int4Linear`` in ``dtype`` swapped in for it, or (``dense``) its parts dequantized into
-    its weight. ``stored``: a name's own in the file, where it differs. → how many
-    ``Int4Linear``s."""
+    their ``targets`` (the model's weight views, by dense name). ``stored``: a name's own in the
+    file, where it differs. → how many ``Int4Linear``s."""
     swapped = 0
     with contextlib.ExitStack() as files:
         handles: dict[Path, object] = {}
@@ -159,8 +173,8 @@ def load(awq_plan: AwqPlan, found: dict[str, TensorHeader], stored: dict[str, st
                 unpacked = [awq.unpack(*(read(f"{part.module}.{s}") for s in SUFFIXES), awq_plan.group_size,
                                        scale_dtype, part.module) for part in projection.parts]
                 if projection.dense:
-                    for view, (codes, scales, mins) in zip(projection.views, unpacked):
-                        view.copy_(dequantize(codes, scales, mins))
+                    for part, (codes, scales, mins) in zip(projection.parts, unpacked):
+                        targets[part.weight].copy_(dequantize(codes, scales, mins))
                     continue
                 codes, scales, mins = (torch.cat(t) if len(unpacked) > 1 else t[0] for t in zip(*unpacked))
                 del unpacked

@@ -10,6 +10,7 @@ sparse layers).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from torch import nn
 from qil_worker.config import AwqQuantization, Fp8Quantization, Qwen3Config
 from qil_worker.errors import ConfigError
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
+from qil_worker.model.linear import deferred_weights
 from qil_worker.parallel import SINGLE, ParallelState, check_tp_size
 from qil_worker.quantization import resolve_quantize
 
@@ -82,10 +84,11 @@ def build_model(
     checkpoint_dtype = config.torch_dtype
     if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
         checkpoint_dtype = stored_dtype(Path(path))
-    model = model_class(
-        config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
-        fused_projections=fused_projections, parallel=parallel,
-    )
+    with deferred_weights() if awq else contextlib.nullcontext():  # AWQ: int4 projections, not dense
+        model = model_class(
+            config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
+            fused_projections=fused_projections, parallel=parallel,
+        )
     is_fp8 = isinstance(config.quantization, Fp8Quantization)
     keep_fp8 = is_fp8 and fp8 == "auto" and quantize is None
     kernels = fp8_linear.cuda_kernels(device) if keep_fp8 else []

@@ -167,7 +167,9 @@ def load_weights(
     problems = fp8.check_layout(quantized, found, block)
     awq_plan = awq_loading.plan(model, quantization) if isinstance(quantization, AwqQuantization) else None
     if awq_plan is not None:  # its linears are read apart, after the dense tensors
-        targets = {name: t for name, t in targets.items() if name not in awq_plan.weights()}
+        awq_loading.materialize_dense(model, awq_plan)
+        awq_targets = model.weight_targets()  # views of the weights just allocated
+        targets = {name: t for name, t in awq_targets.items() if name not in awq_plan.weights()}
         problems += awq_loading.check_layout(awq_plan, found)
     check_weights(targets, found, tied=model.config.tie_word_embeddings, fp8_problems=problems, shards=shards,
                   known=awq_plan.tensors() if awq_plan is not None else ())
@@ -193,7 +195,7 @@ def load_weights(
                     else:
                         fp8.dequantize_into(target, f.get_tensor(stored_name), scales[fp8.scale_name(name)], block)
     if awq_plan is not None:
-        swapped = awq_loading.load(awq_plan, found, own_names, model.dtype, model.device)
+        swapped = awq_loading.load(awq_plan, found, own_names, awq_targets, model.dtype, model.device)
         log.info("AWQ: %d projections int4 (%d checkpoint linears), %d dequantized into dense ones",
                  swapped, len(awq_plan.parts), len(awq_plan.projections) - swapped)
     if model.config.tie_word_embeddings and TIED_HEAD in found:

@@ -232,3 +232,16 @@ def test_a_server_reports_awq_int4_in_get_info(g32):
     assert info.weight_format == expected[0] and info.weight_format.startswith("12x awq int4 asymmetric group 32")
     assert info.weight_bytes == expected[1]
     assert len(result.token_ids) == 4
+
+
+def test_projections_loaded_as_int4_are_never_allocated_dense(g128, monkeypatch):
+    from qil_worker import cpu_memory
+
+    shapes = []
+    empty = cpu_memory.empty
+    monkeypatch.setattr(cpu_memory, "empty", lambda shape, *a, **k: shapes.append(tuple(shape)) or empty(shape, *a, **k))
+    model = Qwen3.from_directory(g128[0], dtype="float32", pack_weights=False)
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert (160, 128) in shapes  # the untied LM head, a dense Linear
+    projection_shapes = {(128 + 64, 128), (64, 128), (128, 128), (256, 128), (128, 256)}
+    assert not projection_shapes & set(shapes), shapes
