@@ -50,7 +50,22 @@ class AwqQuantization:
     modules_to_not_convert: tuple[str, ...] = ()
 
 
-Quantization = Fp8Quantization | AwqQuantization
+@dataclass(frozen=True)
+class GptqQuantization:
+    """``quantization_config`` of a GPTQ checkpoint (AutoGPTQ / optimum, v1 ``gptq`` format,
+    no act-order): the decoder's linear layers as 4-bit codes with a zero point and an fp16
+    scale per ``group_size`` inputs (``model/gptq.py``); ``sym``: whether the zeros are all 8
+    (recorded; the stored zeros are used either way)."""
+
+    group_size: int = 128
+    sym: bool = True
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+Quantization = Fp8Quantization | AwqQuantization | GptqQuantization
+# the linears a GPTQ ``modules_in_block_to_quantize`` must list (qil quantizes all or them)
+GPTQ_BLOCK_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 # What transformers' FineGrainedFP8Config assumes where the checkpoint is silent.
 _FP8_DEFAULTS = {"fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "float"}
@@ -67,18 +82,18 @@ def _quantization(raw: Any, model_type: str = "qwen3") -> Quantization | None:
     if not isinstance(raw, dict):
         raise ConfigError(f"quantization_config: expected an object, got {raw!r}")
     method = raw.get("quant_method")
-    if method == "awq":
+    if method in ("awq", "gptq"):
         if model_type != "qwen3":
             raise ConfigError(
-                f"quantization_config.quant_method: 'awq' is supported for dense Qwen3 only, not "
-                f"model_type {model_type!r} (AWQ experts are not loaded yet)"
+                f"quantization_config.quant_method: {method!r} is supported for dense Qwen3 only, not "
+                f"model_type {model_type!r} (4-bit experts are not loaded yet)"
             )
-        return awq_quantization(raw)
+        return awq_quantization(raw) if method == "awq" else gptq_quantization(raw)
     if method != "fp8":
         raise ConfigError(
             f"quantization_config.quant_method: {method!r} is not supported; qil loads "
-            "'fp8' (block-wise float8_e4m3fn) and 'awq' (AutoAWQ 4-bit GEMM) checkpoints and "
-            "unquantized ones"
+            "'fp8' (block-wise float8_e4m3fn), 'awq' (AutoAWQ 4-bit GEMM) and 'gptq' (4-bit, no "
+            "act-order) checkpoints and unquantized ones"
         )
     for field, supported in _FP8_DEFAULTS.items():
         value = raw.get(field, supported)
@@ -127,6 +142,43 @@ def awq_quantization(raw: dict[str, Any]) -> AwqQuantization:
             "integer; -1, one group per column, is not)"
         )
     return AwqQuantization(group_size=group, modules_to_not_convert=_modules_to_not_convert(raw))
+
+
+def gptq_quantization(raw: dict[str, Any]) -> GptqQuantization:
+    """A GPTQ ``quantization_config``: 4 bits, no act-order (``desc_act: false``), the v1
+    ``gptq`` checkpoint format, a positive group size, the LM head and every decoder linear as
+    in AutoGPTQ's defaults; else a ``ConfigError`` naming the key."""
+    def refuse(key: str, why: str) -> ConfigError:
+        return ConfigError(f"quantization_config.{key}: {raw.get(key)!r} is not supported for gptq ({why})")
+
+    if raw.get("bits") != 4 or isinstance(raw.get("bits"), bool):
+        raise refuse("bits", "only 4")
+    if raw.get("desc_act", False) is not False:
+        raise refuse("desc_act", "only false: act-order checkpoints permute the groups")
+    sym = raw.get("sym", True)
+    if not isinstance(sym, bool):
+        raise refuse("sym", "true or false")
+    group = raw.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
+        raise refuse("group_size", "a positive integer; -1, one group per column, is not")
+    formats = {key: raw[key] for key in ("checkpoint_format", "format") if raw.get(key) is not None}
+    for key, value in formats.items():
+        if not isinstance(value, str) or value.lower() != "gptq":
+            raise refuse(key, "only 'gptq', the v1 layout with zeros stored minus one")
+    if raw.get("pack_dtype", "int32") != "int32":
+        raise refuse("pack_dtype", "only 'int32'")
+    if raw.get("lm_head", False) is not False:
+        raise refuse("lm_head", "the LM head is loaded unquantized only")
+    if raw.get("dynamic"):
+        raise refuse("dynamic", "per-module overrides are not read")
+    blocks = raw.get("modules_in_block_to_quantize")
+    if blocks is not None:
+        listed = {name for group_names in blocks for name in group_names} \
+            if isinstance(blocks, list) and all(isinstance(b, list) and all(isinstance(n, str) for n in b)
+                                                for b in blocks) else set()
+        if not set(GPTQ_BLOCK_MODULES) <= listed:
+            raise refuse("modules_in_block_to_quantize", f"it must list all of {list(GPTQ_BLOCK_MODULES)}")
+    return GptqQuantization(group_size=group, sym=sym, modules_to_not_convert=_modules_to_not_convert(raw))
 
 
 def _modules_to_not_convert(raw: dict[str, Any]) -> tuple[str, ...]:

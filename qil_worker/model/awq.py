@@ -7,7 +7,7 @@ consecutive outputs ``8j .. 8j+7``, nibble ``i`` (bits 4i..4i+3) holding output 
 AWQ_ORDER[i]``. The weight is ``w[k, n] = (q[k, n] − z[k // G, n]) · s[k // G, n]``, i.e.
 ``q·s + m`` with ``m = −z·s``: the form ``int4_linear`` keeps.
 
-``awq_loading.py`` maps a checkpoint's linears onto qil's projections and calls ``unpack``.
+``int4_checkpoint.py`` maps a checkpoint's linears onto qil's projections and calls ``unpack``.
 """
 
 from __future__ import annotations
@@ -57,3 +57,28 @@ def unpack(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, gr
     zeros = unpack_columns(qzeros).float()
     scale = scales.float()
     return codes, scale.t().to(dtype).contiguous(), (-zeros * scale).t().to(dtype).contiguous()
+
+
+# --- the format as ``int4_checkpoint.py`` reads it ----------------------------------------------
+
+LABEL = "awq int4"
+SUFFIXES = ("qweight", "qzeros", "scales")
+
+
+def layout(out_features: int, in_features: int, group_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Per tensor suffix: its shape and kind ("int32" or "float") for a linear [N, K]."""
+    n, k, g = out_features, in_features, group_size
+    return {"qweight": ((k, n // PACK), "int32"), "qzeros": ((k // g, n // PACK), "int32"), "scales": ((k // g, n), "float")}
+
+
+def unpackable(out_features: int, in_features: int, group_size: int) -> str | None:
+    """Why a linear [N, K] cannot be stored in this format (None: it can)."""
+    if out_features % PACK or in_features % group_size:
+        return f"needs outputs a multiple of {PACK} and inputs a multiple of group_size {group_size}"
+    return None
+
+
+def unpack_tensors(tensors: dict[str, torch.Tensor], group_size: int, dtype: torch.dtype, name: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``unpack`` over one linear's tensors by suffix."""
+    return unpack(tensors["qweight"], tensors["qzeros"], tensors["scales"], group_size, dtype, name)

@@ -1,5 +1,5 @@
 """A Hugging Face Qwen3 directory → a ready ``Qwen3``: config, dtype, strict weights, then the
-load-time policy (FP8 kept or dequantized, AWQ int4, int8/int4 quantization, oneDNN packing) and
+load-time policy (FP8 kept or dequantized, AWQ/GPTQ int4, int8/int4 quantization, oneDNN packing) and
 its log lines.
 
 ``Qwen3.from_directory`` is the entry point and hands its class to ``build_model`` (so this
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qil_worker.config import AwqQuantization, Fp8Quantization, Qwen3Config
+from qil_worker.config import AwqQuantization, Fp8Quantization, GptqQuantization, Qwen3Config
 from qil_worker.errors import ConfigError
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
 from qil_worker.model.linear import deferred_weights
@@ -54,8 +54,9 @@ def build_model(
     projections only, experts are always dequantized), else dequantizes to ``dtype`` at load;
     ``"dequantize"`` always does. ``quantize``: None (or "none") keeps the weights in the compute
     dtype; "int8" quantizes them at load (``Qwen3.quantize_weights``), before packing — an FP8
-    checkpoint is then dequantized first, whatever ``fp8`` says. An AWQ checkpoint's projections
-    load as int4 (``awq_loading.py``), and any ``quantize`` with it is a ``ConfigError``. ``parallel``: this rank's place
+    checkpoint is then dequantized first, whatever ``fp8`` says. An AWQ or GPTQ checkpoint's
+    projections load as int4 (``int4_checkpoint.py``), and any ``quantize`` with it is a
+    ``ConfigError``. ``parallel``: this rank's place
     in a tensor-parallel group; the model is refused (``ConfigError`` naming the fields and the
     sizes that work) unless its shapes split over ``parallel.world_size``, and the rank loads only
     its slices of the weights. ``embedding``: the caller serves it as an embedding model, so a
@@ -74,17 +75,19 @@ def build_model(
         config = dataclasses.replace(config, headless=True)
     check_tp_size(config, parallel.world_size)
     quantize = resolve_quantize(quantize)
-    awq = isinstance(config.quantization, AwqQuantization)
-    if awq and quantize is not None:
+    int4 = isinstance(config.quantization, (AwqQuantization, GptqQuantization))
+    method = "AWQ" if isinstance(config.quantization, AwqQuantization) else "GPTQ"
+    if int4 and quantize is not None:
         raise ConfigError(
-            f"quantize: {quantize!r} cannot be applied to an AWQ checkpoint, whose projections load "
-            "as int4 already (quantization_config.quant_method 'awq'); leave quantize unset ('none')"
+            f"quantize: {quantize!r} cannot be applied to {'an' if method == 'AWQ' else 'a'} {method} checkpoint, "
+            "whose projections load "
+            f"as int4 already (quantization_config.quant_method {method.lower()!r}); leave quantize unset ('none')"
         )
     device = resolve_device(device)
     checkpoint_dtype = config.torch_dtype
     if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
         checkpoint_dtype = stored_dtype(Path(path))
-    with deferred_weights() if awq else contextlib.nullcontext():  # AWQ: int4 projections, not dense
+    with deferred_weights() if int4 else contextlib.nullcontext():  # int4 projections, not dense ones
         model = model_class(
             config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
             fused_projections=fused_projections, parallel=parallel,
@@ -101,9 +104,9 @@ def build_model(
         model.pack_weights()
     if is_fp8:
         log.info("%s", fp8_linear.describe(model, summary))
-    elif awq:
+    elif int4:
         formats, size = model.weight_summary()
-        log.info("AWQ checkpoint: %s; weights in memory %.1f MiB", formats, size / 2**20)
+        log.info("%s checkpoint: %s; weights in memory %.1f MiB", method, formats, size / 2**20)
     if config.is_moe:
         log.info("%s", config.describe())
     return model.eval()

@@ -76,7 +76,10 @@ class Linear(nn.Module):
         self._device = torch.device(device)
         if weight is None:
             shape = (out_features, in_features)
-            data = torch.empty(shape, dtype=dtype, device="meta") if _deferred else cpu_memory.empty(shape, dtype, device)
+            if _deferred:
+                data = torch.empty(shape, dtype=dtype, device="meta")
+            else:
+                data = cpu_memory.empty(shape, dtype, device)
             weight = nn.Parameter(data, requires_grad=False)
         self.weight = weight
         self.packed = False

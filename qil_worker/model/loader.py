@@ -9,9 +9,10 @@ quantized weight F8_E4M3 with a scale grid of its shape, no scale or FP8 tensor 
 their weights dequantized into the parameters as they are read (block rows at a time), unless the
 caller keeps them in FP8 (``keep_fp8``: the CUDA scaled-mm path, ``fp8_linear.py``).
 
-AutoAWQ checkpoints (``awq_loading.py``) are checked in the same pass — each AWQ linear's
-qweight, qzeros and scales present, of their shapes and dtypes, and no dense weight in their
-place — and their projections replaced by ``Int4Linear``s after the dense tensors are read.
+AWQ and GPTQ checkpoints (``int4_checkpoint.py``) are checked in the same pass — each quantized
+linear's packed tensors (qweight, qzeros, scales, GPTQ's g_idx) present, of their shapes and
+dtypes, and no dense weight in their place — and their projections replaced by ``Int4Linear``s
+after the dense tensors are read.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qil_worker.config import AwqQuantization, Fp8Quantization
+from qil_worker.config import Fp8Quantization
 from qil_worker.errors import WeightError
-from qil_worker.model import awq_loading, fp8
+from qil_worker.model import fp8, int4_checkpoint
 from qil_worker.model.fp8 import TensorHeader
+from qil_worker.model.int4_checkpoint import Int4Quantization
 from qil_worker.parallel.shards import Shard
 
 log = logging.getLogger(__name__)
@@ -115,7 +117,8 @@ def check_weights(
 ) -> None:
     """Raise one ``WeightError`` listing every missing, unknown and mis-shaped tensor, and the
     quantized layouts' ``fp8_problems`` (``fp8.check_layout``, which owns every
-    ``weight_scale_inv``; ``awq_loading.check_layout``, which owns the ``known`` AWQ tensors).
+    ``weight_scale_inv``; ``int4_checkpoint.check_layout``, which owns the ``known`` packed
+    int4 tensors).
     ``shards``: the tensors of which a target holds a slice (tensor parallelism), checked
     against their whole shape."""
     problems: list[str] = []
@@ -165,14 +168,14 @@ def load_weights(
     quantized = fp8.quantized_weights(targets, quantization)
     block = quantization.block_size if isinstance(quantization, Fp8Quantization) else (0, 0)
     problems = fp8.check_layout(quantized, found, block)
-    awq_plan = awq_loading.plan(model, quantization) if isinstance(quantization, AwqQuantization) else None
-    if awq_plan is not None:  # its linears are read apart, after the dense tensors
-        awq_loading.materialize_dense(model, awq_plan)
-        awq_targets = model.weight_targets()  # views of the weights just allocated
-        targets = {name: t for name, t in awq_targets.items() if name not in awq_plan.weights()}
-        problems += awq_loading.check_layout(awq_plan, found)
+    int4_plan = int4_checkpoint.plan(model, quantization) if isinstance(quantization, Int4Quantization) else None
+    if int4_plan is not None:  # its linears are read apart, after the dense tensors
+        int4_checkpoint.materialize_dense(model, int4_plan)
+        int4_targets = model.weight_targets()  # views of the weights just allocated
+        targets = {name: t for name, t in int4_targets.items() if name not in int4_plan.weights()}
+        problems += int4_checkpoint.check_layout(int4_plan, found)
     check_weights(targets, found, tied=model.config.tie_word_embeddings, fp8_problems=problems, shards=shards,
-                  known=awq_plan.tensors() if awq_plan is not None else ())
+                  known=int4_plan.tensors() if int4_plan is not None else ())
     own_names = {prefixed: name for name, prefixed in stored.items()}
     scales = fp8.read_scales(found, quantized, own_names)
     with torch.no_grad():
@@ -194,10 +197,10 @@ def load_weights(
                         keep_fp8[name] = (f.get_tensor(stored_name).to(target.device), scale.to(target.device))
                     else:
                         fp8.dequantize_into(target, f.get_tensor(stored_name), scales[fp8.scale_name(name)], block)
-    if awq_plan is not None:
-        swapped = awq_loading.load(awq_plan, found, own_names, awq_targets, model.dtype, model.device)
-        log.info("AWQ: %d projections int4 (%d checkpoint linears), %d dequantized into dense ones",
-                 swapped, len(awq_plan.parts), len(awq_plan.projections) - swapped)
+    if int4_plan is not None:
+        swapped = int4_checkpoint.load(int4_plan, found, own_names, int4_targets, model.dtype, model.device)
+        log.info("%s: %d projections int4 (%d checkpoint linears), %d dequantized into dense ones",
+                 int4_plan.format.LABEL, swapped, len(int4_plan.parts), len(int4_plan.projections) - swapped)
     if model.config.tie_word_embeddings and TIED_HEAD in found:
         check_tied_copy(found, shards.get(EMBEDDING))
 

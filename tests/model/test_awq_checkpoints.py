@@ -155,7 +155,7 @@ def test_every_layout_problem_in_one_error_naming_each_tensor(g32, tmp_path):
     assert "5 problem(s)" in msg, msg
     assert f"missing: {l0}self_attn.k_proj.qzeros (expected shape (2, 4) int32)" in msg
     assert f"mis-shaped: {l0}mlp.up_proj.scales expected (2, 96), got (1, 96)" in msg
-    assert f"bad dtype: {l1}self_attn.o_proj.qweight is F32; expected int32" in msg
+    assert f"bad dtype: {l1}self_attn.o_proj.qweight is F32; expected int32 (I32)" in msg
     assert f"unknown: {l1}mlp.gate_proj.weight (shape (96, 64))" in msg
     assert "unknown: lm_head.qweight (shape (64, 12))" in msg
 
@@ -167,7 +167,7 @@ def test_a_shape_awq_cannot_pack_is_refused_by_name(tmp_path):
     raw = json.loads((path / "config.json").read_text())
     raw["quantization_config"]["modules_to_not_convert"] = ["k_proj", "q_proj", "o_proj"]
     (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(WeightError, match=r"not AWQ-packable: model.layers.0.self_attn.v_proj \[20, 64\] needs "
+    with pytest.raises(WeightError, match=r"not awq int4-packable: model.layers.0.self_attn.v_proj \[20, 64\] needs "
                                           r"outputs a multiple of 8"):
         Qwen3.from_directory(path)
 
@@ -203,8 +203,8 @@ def test_config_refuses_awq_experts_and_other_methods():
     raw.update(model_type="qwen3_moe")
     with pytest.raises(ConfigError, match=r"quantization_config.quant_method: 'awq' is supported for dense Qwen3 only"):
         Qwen3Config.from_dict(raw)
-    with pytest.raises(ConfigError, match=r"quantization_config.quant_method: 'gptq' is not supported"):
-        Qwen3Config.from_dict(_awq(quant_method="gptq"))
+    with pytest.raises(ConfigError, match=r"quantization_config.quant_method: 'bitsandbytes' is not supported"):
+        Qwen3Config.from_dict(_awq(quant_method="bitsandbytes"))
 
 
 def test_quantize_on_an_awq_checkpoint_is_refused(g32):
