@@ -74,20 +74,15 @@ FP8_BLOCK_SIZE = (128, 128)
 _AWQ_SUPPORTED = {"bits": 4, "zero_point": True, "version": "gemm"}
 
 
-def _quantization(raw: Any, model_type: str = "qwen3") -> Quantization | None:
-    """Validate ``quantization_config`` (None when absent): Qwen's FP8 scheme, or AutoAWQ's
-    4-bit GEMM (dense Qwen3 only: no AWQ expert loading)."""
+def _quantization(raw: Any) -> Quantization | None:
+    """Validate ``quantization_config`` (None when absent): Qwen's FP8 scheme, AutoAWQ's 4-bit
+    GEMM, or GPTQ 4-bit without act-order."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError(f"quantization_config: expected an object, got {raw!r}")
     method = raw.get("quant_method")
     if method in ("awq", "gptq"):
-        if model_type != "qwen3":
-            raise ConfigError(
-                f"quantization_config.quant_method: {method!r} is supported for dense Qwen3 only, not "
-                f"model_type {model_type!r} (4-bit experts are not loaded yet)"
-            )
         return awq_quantization(raw) if method == "awq" else gptq_quantization(raw)
     if method != "fp8":
         raise ConfigError(
@@ -345,7 +340,7 @@ class Qwen3Config:
             max_position_embeddings=_positive_int(raw, "max_position_embeddings", default_positions),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            quantization=_quantization(raw.get("quantization_config"), model_type),
+            quantization=_quantization(raw.get("quantization_config")),
             architecture=model_type,
             **experts,
         )

@@ -7,7 +7,8 @@ where the checkpoint stores each linear on its own (``<module>.qweight``, ``.qze
 ``.scales``, ...). A projection whose parts are all quantized becomes one ``Int4Linear``: each
 part unpacked to codes [N_i, K] and scales and minimums [N_i, K/G], concatenated along the
 outputs in the projection's row order. The parts share K and the group size, so their groups
-line up, and the fused projection stays one matmul. A projection of which
+line up, and the fused projection stays one matmul. A Qwen3-MoE expert stack (gate/up, down)
+becomes an ``Int4ExpertLinear`` of one such ``Int4Linear`` per expert. A projection of which
 ``modules_to_not_convert`` keeps only some parts in a float dtype stays a dense ``Linear``: its
 quantized parts are dequantized into it. The LM head, embedding and norms are never quantized.
 """
@@ -26,7 +27,9 @@ from torch import nn
 from qil_worker.config import AwqQuantization, GptqQuantization
 from qil_worker.errors import WeightError
 from qil_worker.model import awq, fp8, gptq
+from qil_worker.model.expert_linear import ExpertLinear
 from qil_worker.model.fp8 import TensorHeader
+from qil_worker.model.int4_experts import Int4ExpertLinear
 from qil_worker.model.int4_linear import Int4Linear, dequantize
 from qil_worker.model.linear import Linear
 
@@ -52,14 +55,15 @@ class Part:
 
 @dataclass
 class Projection:
-    """A projection (``parent.attr``) with quantized parts, in its row order; ``dense``: some
-    part is not quantized, so the projection stays a ``Linear`` and its quantized parts are
-    dequantized into it."""
+    """A projection (``parent.attr``) with quantized parts, in its row order (expert by expert
+    for a stack of ``experts``, 0: a plain projection); ``dense``: some part is not quantized,
+    so the projection stays as it is and its quantized parts are dequantized into it."""
 
     parent: nn.Module
     attr: str
     parts: list[Part]
     dense: bool
+    experts: int = 0
 
 
 @dataclass
@@ -101,8 +105,10 @@ def plan(model: nn.Module, quantization: Int4Quantization) -> Int4Plan:
     projections: list[Projection] = []
     for parent in list(model.modules()):
         for attr, child in parent.named_children():
-            if type(child) is not Linear or child is getattr(model, "head", None):
+            plain = type(child) is Linear and child is not getattr(model, "head", None)
+            if not plain and type(child) is not ExpertLinear:
                 continue
+            # a stack's parts come expert by expert (gate then up within each): storage order
             names = sorted(by_storage.get(_storage(child.weight), []), key=lambda n: targets[n].storage_offset())
             quantized = [n for n in names if fp8.QUANTIZED_LINEAR.fullmatch(n)
                          and not fp8.skips_module(n.removesuffix(".weight"), quantization.modules_to_not_convert)]
@@ -110,7 +116,7 @@ def plan(model: nn.Module, quantization: Int4Quantization) -> Int4Plan:
                 continue
             dense = len(quantized) != len(names)
             parts = [Part(n.removesuffix(".weight"), *targets[n].shape) for n in quantized]
-            projections.append(Projection(parent, attr, parts, dense))
+            projections.append(Projection(parent, attr, parts, dense, 0 if plain else child.num_experts))
     return Int4Plan(FORMATS[type(quantization)], quantization.group_size, projections)
 
 
@@ -119,7 +125,7 @@ def materialize_dense(model: nn.Module, int4_plan: Int4Plan) -> None:
     the projections that become ``Int4Linear``s."""
     swapped = {id(getattr(p.parent, p.attr)) for p in int4_plan.projections if not p.dense}
     for module in model.modules():
-        if isinstance(module, Linear) and id(module) not in swapped:
+        if isinstance(module, (Linear, ExpertLinear)) and id(module) not in swapped:
             module.materialize()
 
 
@@ -175,8 +181,20 @@ def load(int4_plan: Int4Plan, found: dict[str, TensorHeader], stored: dict[str, 
                     for part, (codes, scales, mins) in zip(projection.parts, unpacked):
                         targets[part.weight].copy_(dequantize(codes, scales, mins))
                     continue
-                codes, scales, mins = (torch.cat(t) if len(unpacked) > 1 else t[0] for t in zip(*unpacked))
-                del unpacked
-                setattr(projection.parent, projection.attr, Int4Linear(codes, scales, mins, label=fmt.LABEL))
+                setattr(projection.parent, projection.attr, _int4(projection, unpacked, fmt.LABEL))
                 swapped += 1
     return swapped
+
+
+def _int4(projection: Projection, unpacked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+          label: str) -> nn.Module:
+    """The ``Int4Linear`` (an ``Int4ExpertLinear`` of one per expert, for a stack) of a
+    projection's unpacked parts, each expert's parts concatenated along the outputs."""
+    def fused(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Int4Linear:
+        codes, scales, mins = (torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*parts))
+        return Int4Linear(codes, scales, mins, label=label)
+
+    if not projection.experts:
+        return fused(unpacked)
+    per = len(unpacked) // projection.experts
+    return Int4ExpertLinear([fused(unpacked[e * per : (e + 1) * per]) for e in range(projection.experts)])

@@ -47,6 +47,11 @@ def deferred_weights() -> Iterator[None]:
         _deferred = previous
 
 
+def deferring() -> bool:
+    """Whether weights made now are deferred (``deferred_weights``): ``ExpertLinear`` asks too."""
+    return _deferred
+
+
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch build and CPU can run packed oneDNN linears in ``dtype``."""
     if device.type != "cpu" or dtype not in PACK_TOLERANCE or not torch.backends.mkldnn.is_available():

@@ -119,18 +119,19 @@ def make_gptq_checkpoint(
 
 def make_int4_checkpoint(
     path: Path, reference: Path | None, quantize: Any, quantization_config: dict[str, Any],
-    modules_to_not_convert: list[str] | None = None, seed: int = 0, **overrides: Any,
+    modules_to_not_convert: list[str] | None = None, seed: int = 0, moe: bool = False, **overrides: Any,
 ) -> Path:
-    """A random Qwen3 checkpoint with every decoder linear (but those whose name ends with one of
-    ``modules_to_not_convert``) replaced by ``quantize(weight)``'s tensors, everything else
+    """A random Qwen3 (``moe``: Qwen3-MoE, ``make_moe_checkpoint``) checkpoint with every decoder linear (but those whose name ends with one of
+    ``modules_to_not_convert``; experts too, not the routers) replaced by ``quantize(weight)``'s
+    tensors, everything else
     float16, and config.json's ``quantization_config``. ``reference``: also write there the same
     model with float32 weights, each quantized linear as its dequantization and no
     quantization_config — what transformers runs as the oracle."""
     from safetensors.torch import load_file, save_file
 
-    from checkpoints import make_checkpoint
+    from checkpoints import make_checkpoint, make_moe_checkpoint
 
-    make_checkpoint(path, seed=seed, **overrides)
+    (make_moe_checkpoint if moe else make_checkpoint)(path, seed=seed, **overrides)
     path = Path(path)
     skip = modules_to_not_convert or []
     tensors: dict[str, torch.Tensor] = {}

@@ -198,13 +198,49 @@ def test_config_refuses_awq_it_does_not_compute_naming_the_key(changes, key):
         Qwen3Config.from_dict(_awq(**changes))
 
 
-def test_config_refuses_awq_experts_and_other_methods():
-    raw = _awq()
-    raw.update(model_type="qwen3_moe")
-    with pytest.raises(ConfigError, match=r"quantization_config.quant_method: 'awq' is supported for dense Qwen3 only"):
-        Qwen3Config.from_dict(raw)
+def test_config_refuses_other_methods():
     with pytest.raises(ConfigError, match=r"quantization_config.quant_method: 'bitsandbytes' is not supported"):
         Qwen3Config.from_dict(_awq(quant_method="bitsandbytes"))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_a_moe_checkpoint_loads_its_experts_as_int4_and_matches_transformers(tmp_path, fused):
+    from checkpoints import load_moe_reference
+
+    from qil_worker.model.int4_experts import Int4ExpertLinear
+
+    path = make_awq_checkpoint(tmp_path / "awq", tmp_path / "ref", seed=25, group_size=32, moe=True)
+    model = Qwen3.from_directory(path, dtype="float32", fused_projections=fused)
+    mlp = model.layers[1].mlp
+    assert type(mlp.gate_up) is Int4ExpertLinear and type(mlp.down) is Int4ExpertLinear
+    assert mlp.gate_up.num_experts == 8 and mlp.gate_up.out_features == 2 * 32  # gate and up, fused
+    assert type(mlp.gate).__name__ == "Router"  # the router stays dense
+    assert "awq int4 experts asymmetric group 32" in model.weight_summary()[0]
+    ids = _prompt(21, 8, 97)
+    with torch.no_grad():
+        want = load_moe_reference(tmp_path / "ref")(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_prefill(model, ids), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(_decode(model, ids), want, atol=ATOL, rtol=0)
+
+
+def test_moe_experts_are_never_allocated_dense_and_the_engine_matches_transformers(tmp_path, monkeypatch):
+    from checkpoints import load_moe_reference
+
+    from qil_worker import cpu_memory
+
+    path = make_awq_checkpoint(tmp_path / "awq", tmp_path / "ref", seed=26, group_size=32, moe=True)
+    shapes = []
+    empty = cpu_memory.empty
+    monkeypatch.setattr(cpu_memory, "empty", lambda shape, *a, **k: shapes.append(tuple(shape)) or empty(shape, *a, **k))
+    model = Qwen3.from_directory(path, dtype="float32")
+    assert (8, 64) in shapes and not {(8, 64, 64), (8, 64, 32)} & set(shapes), shapes  # routers dense, experts not
+    reference = load_moe_reference(tmp_path / "ref")
+    prompts = [_prompt(n, 50 + n, 97) for n in (3, 11)]
+    expected = [reference_greedy(reference, p, 8) for p in prompts]
+    engine = Engine(model, num_pages=64, page_size=8, debug=True)
+    assert [r.output_token_ids for r in engine.generate(prompts, max_new_tokens=8)] == expected
+    assert_pool_free(engine)
+    engine.close()
 
 
 def test_quantize_on_an_awq_checkpoint_is_refused(g32):

@@ -200,11 +200,20 @@ def test_config_refuses_gptq_it_does_not_compute_naming_the_key(changes, key):
         Qwen3Config.from_dict(_gptq(**changes))
 
 
-def test_gptq_experts_are_refused(tmp_path):
-    raw = _gptq()
-    raw.update(model_type="qwen3_moe")
-    with pytest.raises(ConfigError, match=r"quantization_config.quant_method: 'gptq' is supported for dense Qwen3 only"):
-        Qwen3Config.from_dict(raw)
+def test_a_moe_checkpoint_loads_its_experts_as_int4_and_matches_transformers(tmp_path):
+    from checkpoints import load_moe_reference
+
+    from qil_worker.model.int4_experts import Int4ExpertLinear
+
+    path = make_gptq_checkpoint(tmp_path / "gptq", tmp_path / "ref", seed=34, group_size=32, moe=True)
+    model = Qwen3.from_directory(path, dtype="float32")
+    assert type(model.layers[2].mlp.down) is Int4ExpertLinear
+    assert "gptq int4 experts asymmetric group 32" in model.weight_summary()[0]
+    ids = _prompt(19, 9, 97)
+    with torch.no_grad():
+        want = load_moe_reference(tmp_path / "ref")(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_prefill(model, ids), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(_decode(model, ids), want, atol=ATOL, rtol=0)
 
 
 def test_the_config_file_round_trip(g128):
