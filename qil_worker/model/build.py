@@ -1,6 +1,6 @@
 """A Hugging Face Qwen3 directory → a ready ``Qwen3``: config, dtype, strict weights, then the
-load-time policy (FP8 kept or dequantized, AWQ/GPTQ int4, int8/int4 quantization, oneDNN packing) and
-its log lines.
+load-time policy (FP8 kept or dequantized, AWQ/GPTQ int4, int8/int4 quantization, oneDNN
+packing) and its log lines.
 
 ``Qwen3.from_directory`` is the entry point and hands its class to ``build_model`` (so this
 module needs no import of the model's). config.json's ``model_type`` decides the architecture:
@@ -56,10 +56,9 @@ def build_model(
     dtype; "int8" quantizes them at load (``Qwen3.quantize_weights``), before packing — an FP8
     checkpoint is then dequantized first, whatever ``fp8`` says. An AWQ or GPTQ checkpoint's
     projections load as int4 (``int4_checkpoint.py``), and any ``quantize`` with it is a
-    ``ConfigError``. ``parallel``: this rank's place
-    in a tensor-parallel group; the model is refused (``ConfigError`` naming the fields and the
-    sizes that work) unless its shapes split over ``parallel.world_size``, and the rank loads only
-    its slices of the weights. ``embedding``: the caller serves it as an embedding model, so a
+    ``ConfigError``. ``parallel``: this rank's place in a tensor-parallel group; the model is
+    refused (``ConfigError`` naming the fields and the sizes that work) unless its shapes split
+    over ``parallel.world_size``, and the rank loads only its slices of the weights. ``embedding``: the caller serves it as an embedding model, so a
     headless checkpoint (``embedding_checkpoint.detect``) loads without an LM head; otherwise
     a missing head is an error like any missing tensor.
     """
@@ -78,10 +77,11 @@ def build_model(
     int4 = isinstance(config.quantization, (AwqQuantization, GptqQuantization))
     method = "AWQ" if isinstance(config.quantization, AwqQuantization) else "GPTQ"
     if int4 and quantize is not None:
+        article = "an" if method == "AWQ" else "a"
         raise ConfigError(
-            f"quantize: {quantize!r} cannot be applied to {'an' if method == 'AWQ' else 'a'} {method} checkpoint, "
-            "whose projections load "
-            f"as int4 already (quantization_config.quant_method {method.lower()!r}); leave quantize unset ('none')"
+            f"quantize: {quantize!r} cannot be applied to {article} {method} checkpoint, whose projections "
+            f"load as int4 already (quantization_config.quant_method {method.lower()!r}); leave quantize "
+            "unset ('none')"
         )
     device = resolve_device(device)
     checkpoint_dtype = config.torch_dtype

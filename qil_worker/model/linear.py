@@ -36,9 +36,10 @@ _deferred = False
 
 @contextlib.contextmanager
 def deferred_weights() -> Iterator[None]:
-    """Linears constructed inside get a weight on the meta device (its shape, no memory) until
-    ``Linear.materialize``: for a checkpoint that replaces most projections at load (AWQ), so
-    that the dense weights it never uses are not allocated on the way (on a GPU they would be)."""
+    """Linears (and ``ExpertLinear`` stacks) constructed inside get a weight on the meta device
+    (its shape, no memory) until ``materialize``: for a checkpoint whose projections load as
+    int4 (AWQ, GPTQ: ``int4_checkpoint.py``), so that the dense weights it never uses are not
+    allocated on the way (on a GPU they would be)."""
     global _deferred
     previous, _deferred = _deferred, True
     try:
