@@ -281,3 +281,11 @@ def test_projections_loaded_as_int4_are_never_allocated_dense(g128, monkeypatch)
     assert (160, 128) in shapes  # the untied LM head, a dense Linear
     projection_shapes = {(128 + 64, 128), (64, 128), (128, 128), (256, 128), (128, 256)}
     assert not projection_shapes & set(shapes), shapes
+
+
+def test_tensor_parallelism_is_refused_for_int4_checkpoints():
+    from qil_worker.parallel import check_tp_size
+
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: quantized checkpoints .* not split across ranks"):
+        check_tp_size(Qwen3Config.from_dict(_awq()), 2)
+    check_tp_size(Qwen3Config.from_dict(_awq()), 1)
