@@ -40,22 +40,55 @@ class Fp8Quantization:
     modules_to_not_convert: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class AwqQuantization:
+    """``quantization_config`` of an AutoAWQ GEMM checkpoint: the decoder's linear layers as
+    4-bit codes with a zero point and an fp16 scale per ``group_size`` inputs
+    (``model/awq.py``); ``modules_to_not_convert`` stay in a float dtype."""
+
+    group_size: int = 128
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GptqQuantization:
+    """``quantization_config`` of a GPTQ checkpoint (AutoGPTQ / optimum, v1 ``gptq`` format,
+    no act-order): the decoder's linear layers as 4-bit codes with a zero point and an fp16
+    scale per ``group_size`` inputs (``model/gptq.py``); ``sym``: whether the zeros are all 8
+    (recorded; the stored zeros are used either way)."""
+
+    group_size: int = 128
+    sym: bool = True
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+Quantization = Fp8Quantization | AwqQuantization | GptqQuantization
+# the linears a GPTQ ``modules_in_block_to_quantize`` must list (qil quantizes all or them)
+GPTQ_BLOCK_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
 # What transformers' FineGrainedFP8Config assumes where the checkpoint is silent.
 _FP8_DEFAULTS = {"fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "float"}
 FP8_BLOCK_SIZE = (128, 128)
+# What qil computes of AutoAWQ's formats (absent zero_point: AwqConfig's default, true).
+_AWQ_SUPPORTED = {"bits": 4, "zero_point": True, "version": "gemm"}
 
 
-def _quantization(raw: Any) -> Fp8Quantization | None:
-    """Validate ``quantization_config`` (None when absent): only the FP8 scheme Qwen publishes."""
+def _quantization(raw: Any) -> Quantization | None:
+    """Validate ``quantization_config`` (None when absent): Qwen's FP8 scheme, AutoAWQ's 4-bit
+    GEMM, or GPTQ 4-bit without act-order."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError(f"quantization_config: expected an object, got {raw!r}")
     method = raw.get("quant_method")
+    if method in ("awq", "gptq"):
+        return awq_quantization(raw) if method == "awq" else gptq_quantization(raw)
     if method != "fp8":
         raise ConfigError(
             f"quantization_config.quant_method: {method!r} is not supported; qil loads "
-            "'fp8' (block-wise float8_e4m3fn) checkpoints and unquantized ones"
+            "'fp8' (block-wise float8_e4m3fn), 'awq' (AutoAWQ 4-bit GEMM) and 'gptq' (4-bit, no "
+            "act-order) checkpoints and unquantized ones"
         )
     for field, supported in _FP8_DEFAULTS.items():
         value = raw.get(field, supported)
@@ -74,6 +107,77 @@ def _quantization(raw: Any) -> Fp8Quantization | None:
             f"quantization_config.modules_to_convert: {raw['modules_to_convert']!r} is not "
             "supported (only the decoder's linear layers may be FP8)"
         )
+    return Fp8Quantization(block_size=FP8_BLOCK_SIZE, modules_to_not_convert=_modules_to_not_convert(raw))
+
+
+def awq_quantization(raw: dict[str, Any]) -> AwqQuantization:
+    """An AutoAWQ ``quantization_config``: 4-bit GEMM with zero points and a positive group
+    size, else a ``ConfigError`` naming the key. transformers 5 writes the packing as
+    ``format``, AutoAWQ as ``version``: either is read, and both must agree."""
+    version, fmt = raw.get("version"), raw.get("format")
+    if version is not None and fmt is not None and str(version).lower() != str(fmt).lower():
+        raise ConfigError(
+            f"quantization_config.format: {fmt!r} disagrees with version {version!r}; they are "
+            "two spellings of the AWQ packing"
+        )
+    for key, want in _AWQ_SUPPORTED.items():
+        name = "format" if key == "version" and version is None and fmt is not None else key
+        stated = raw.get(name)
+        value = want if key == "zero_point" and stated is None else stated
+        if isinstance(value, str):
+            value = value.lower()
+        if value != want or isinstance(value, bool) != isinstance(want, bool):
+            raise ConfigError(
+                f"quantization_config.{name}: {stated!r} is not supported for awq (only {want!r})"
+            )
+    group = raw.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
+        raise ConfigError(
+            f"quantization_config.group_size: {group!r} is not supported for awq (a positive "
+            "integer; -1, one group per column, is not)"
+        )
+    return AwqQuantization(group_size=group, modules_to_not_convert=_modules_to_not_convert(raw))
+
+
+def gptq_quantization(raw: dict[str, Any]) -> GptqQuantization:
+    """A GPTQ ``quantization_config``: 4 bits, no act-order (``desc_act: false``), the v1
+    ``gptq`` checkpoint format, a positive group size, the LM head and every decoder linear as
+    in AutoGPTQ's defaults; else a ``ConfigError`` naming the key."""
+    def refuse(key: str, why: str) -> ConfigError:
+        return ConfigError(f"quantization_config.{key}: {raw.get(key)!r} is not supported for gptq ({why})")
+
+    if raw.get("bits") != 4 or isinstance(raw.get("bits"), bool):
+        raise refuse("bits", "only 4")
+    if raw.get("desc_act", False) is not False:
+        raise refuse("desc_act", "only false: act-order checkpoints permute the groups")
+    sym = raw.get("sym", True)
+    if not isinstance(sym, bool):
+        raise refuse("sym", "true or false")
+    group = raw.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
+        raise refuse("group_size", "a positive integer; -1, one group per column, is not")
+    formats = {key: raw[key] for key in ("checkpoint_format", "format") if raw.get(key) is not None}
+    for key, value in formats.items():
+        if not isinstance(value, str) or value.lower() != "gptq":
+            raise refuse(key, "only 'gptq', the v1 layout with zeros stored minus one")
+    if raw.get("pack_dtype", "int32") != "int32":
+        raise refuse("pack_dtype", "only 'int32'")
+    if raw.get("lm_head", False) is not False:
+        raise refuse("lm_head", "the LM head is loaded unquantized only")
+    if raw.get("dynamic"):
+        raise refuse("dynamic", "per-module overrides are not read")
+    blocks = raw.get("modules_in_block_to_quantize")
+    if blocks is not None:
+        listed = {name for group_names in blocks for name in group_names} \
+            if isinstance(blocks, list) and all(isinstance(b, list) and all(isinstance(n, str) for n in b)
+                                                for b in blocks) else set()
+        if not set(GPTQ_BLOCK_MODULES) <= listed:
+            raise refuse("modules_in_block_to_quantize", f"it must list all of {list(GPTQ_BLOCK_MODULES)}")
+    return GptqQuantization(group_size=group, sym=sym, modules_to_not_convert=_modules_to_not_convert(raw))
+
+
+def _modules_to_not_convert(raw: dict[str, Any]) -> tuple[str, ...]:
+    """The module patterns a quantized checkpoint keeps unquantized, validated."""
     skip = raw.get("modules_to_not_convert")
     if skip is None:  # MiniMax's spelling, which transformers accepts too
         skip = raw.get("ignored_layers")
@@ -89,7 +193,7 @@ def _quantization(raw: Any) -> Fp8Quantization | None:
             raise ConfigError(
                 f"quantization_config.modules_to_not_convert: {pattern!r} is not a valid pattern ({exc})"
             ) from None
-    return Fp8Quantization(block_size=FP8_BLOCK_SIZE, modules_to_not_convert=tuple(skip))
+    return tuple(skip)
 
 
 # Where config.json is silent, transformers' Qwen3Config defaults decide what the weights mean.
@@ -128,7 +232,7 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
-    quantization: Fp8Quantization | None = None
+    quantization: Quantization | None = None
     # Qwen3-MoE (architecture "qwen3_moe"); a dense model has no experts
     architecture: str = "qwen3"
     num_experts: int = 0

@@ -7,7 +7,7 @@ consecutive outputs ``8j .. 8j+7``, nibble ``i`` (bits 4i..4i+3) holding output 
 AWQ_ORDER[i]``. The weight is ``w[k, n] = (q[k, n] − z[k // G, n]) · s[k // G, n]``, i.e.
 ``q·s + m`` with ``m = −z·s``: the form ``int4_linear`` keeps.
 
-Not yet wired into the loader (see docs/quantization.md): ``unpack`` is what it will call.
+``int4_checkpoint.py`` maps a checkpoint's linears onto qil's projections and calls ``unpack``.
 """
 
 from __future__ import annotations
@@ -16,27 +16,18 @@ from typing import Any
 
 import torch
 
-from qil_worker.errors import ConfigError
+from qil_worker.config import awq_quantization
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # natural output r of a block of eight sits in nibble AWQ_REVERSE_ORDER[r]
 AWQ_REVERSE_ORDER = tuple(AWQ_ORDER.index(r) for r in range(8))
-SUPPORTED = {"bits": 4, "zero_point": True, "version": "gemm"}
+PACK = 8  # 4-bit values per int32
 
 
 def check_config(raw: dict[str, Any]) -> int:
     """A ``quantization_config`` with ``quant_method: awq`` → its group size; anything but
-    4-bit GEMM with zero points is a ``ConfigError`` naming the key."""
-    for key, want in SUPPORTED.items():
-        value = raw.get(key, want if key == "zero_point" else None)
-        if isinstance(value, str):
-            value = value.lower()
-        if value != want:
-            raise ConfigError(f"quantization_config.{key}: {raw.get(key)!r} is not supported for awq (only {want!r})")
-    group = raw.get("group_size")
-    if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
-        raise ConfigError(f"quantization_config.group_size: {group!r} is not supported for awq (a positive integer)")
-    return group
+    4-bit GEMM with zero points is a ``ConfigError`` naming the key (``config.awq_quantization``)."""
+    return awq_quantization(raw).group_size
 
 
 def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
@@ -66,3 +57,28 @@ def unpack(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, gr
     zeros = unpack_columns(qzeros).float()
     scale = scales.float()
     return codes, scale.t().to(dtype).contiguous(), (-zeros * scale).t().to(dtype).contiguous()
+
+
+# --- the format as ``int4_checkpoint.py`` reads it ----------------------------------------------
+
+LABEL = "awq int4"
+SUFFIXES = ("qweight", "qzeros", "scales")
+
+
+def layout(out_features: int, in_features: int, group_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Per tensor suffix: its shape and kind ("int32" or "float") for a linear [N, K]."""
+    n, k, g = out_features, in_features, group_size
+    return {"qweight": ((k, n // PACK), "int32"), "qzeros": ((k // g, n // PACK), "int32"), "scales": ((k // g, n), "float")}
+
+
+def unpackable(out_features: int, in_features: int, group_size: int) -> str | None:
+    """Why a linear [N, K] cannot be stored in this format (None: it can)."""
+    if out_features % PACK or in_features % group_size:
+        return f"needs outputs a multiple of {PACK} and inputs a multiple of group_size {group_size}"
+    return None
+
+
+def unpack_tensors(tensors: dict[str, torch.Tensor], group_size: int, dtype: torch.dtype, name: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``unpack`` over one linear's tensors by suffix."""
+    return unpack(tensors["qweight"], tensors["qzeros"], tensors["scales"], group_size, dtype, name)

@@ -1,5 +1,6 @@
 """A Hugging Face Qwen3 directory → a ready ``Qwen3``: config, dtype, strict weights, then the
-load-time policy (FP8 kept or dequantized, int8 quantization, oneDNN packing) and its log lines.
+load-time policy (FP8 kept or dequantized, AWQ/GPTQ int4, int8/int4 quantization, oneDNN
+packing) and its log lines.
 
 ``Qwen3.from_directory`` is the entry point and hands its class to ``build_model`` (so this
 module needs no import of the model's). config.json's ``model_type`` decides the architecture:
@@ -9,6 +10,7 @@ sparse layers).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -17,9 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qil_worker.config import Qwen3Config
+from qil_worker.config import AwqQuantization, Fp8Quantization, GptqQuantization, Qwen3Config
 from qil_worker.errors import ConfigError
 from qil_worker.model.dtypes import resolve_device, resolve_dtype
+from qil_worker.model.linear import deferred_weights
 from qil_worker.parallel import SINGLE, ParallelState, check_tp_size
 from qil_worker.quantization import resolve_quantize
 
@@ -51,10 +54,11 @@ def build_model(
     projections only, experts are always dequantized), else dequantizes to ``dtype`` at load;
     ``"dequantize"`` always does. ``quantize``: None (or "none") keeps the weights in the compute
     dtype; "int8" quantizes them at load (``Qwen3.quantize_weights``), before packing — an FP8
-    checkpoint is then dequantized first, whatever ``fp8`` says. ``parallel``: this rank's place
-    in a tensor-parallel group; the model is refused (``ConfigError`` naming the fields and the
-    sizes that work) unless its shapes split over ``parallel.world_size``, and the rank loads only
-    its slices of the weights. ``embedding``: the caller serves it as an embedding model, so a
+    checkpoint is then dequantized first, whatever ``fp8`` says. An AWQ or GPTQ checkpoint's
+    projections load as int4 (``int4_checkpoint.py``), and any ``quantize`` with it is a
+    ``ConfigError``. ``parallel``: this rank's place in a tensor-parallel group; the model is
+    refused (``ConfigError`` naming the fields and the sizes that work) unless its shapes split
+    over ``parallel.world_size``, and the rank loads only its slices of the weights. ``embedding``: the caller serves it as an embedding model, so a
     headless checkpoint (``embedding_checkpoint.detect``) loads without an LM head; otherwise
     a missing head is an error like any missing tensor.
     """
@@ -70,15 +74,26 @@ def build_model(
         config = dataclasses.replace(config, headless=True)
     check_tp_size(config, parallel.world_size)
     quantize = resolve_quantize(quantize)
+    int4 = isinstance(config.quantization, (AwqQuantization, GptqQuantization))
+    method = "AWQ" if isinstance(config.quantization, AwqQuantization) else "GPTQ"
+    if int4 and quantize is not None:
+        article = "an" if method == "AWQ" else "a"
+        raise ConfigError(
+            f"quantize: {quantize!r} cannot be applied to {article} {method} checkpoint, whose projections "
+            f"load as int4 already (quantization_config.quant_method {method.lower()!r}); leave quantize "
+            "unset ('none')"
+        )
     device = resolve_device(device)
     checkpoint_dtype = config.torch_dtype
     if dtype == "auto" and checkpoint_dtype is None:  # as transformers: the stored tensors'
         checkpoint_dtype = stored_dtype(Path(path))
-    model = model_class(
-        config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
-        fused_projections=fused_projections, parallel=parallel,
-    )
-    keep_fp8 = config.quantization is not None and fp8 == "auto" and quantize is None
+    with deferred_weights() if int4 else contextlib.nullcontext():  # int4 projections, not dense ones
+        model = model_class(
+            config, device=device, dtype=resolve_dtype(dtype, device, checkpoint_dtype),
+            fused_projections=fused_projections, parallel=parallel,
+        )
+    is_fp8 = isinstance(config.quantization, Fp8Quantization)
+    keep_fp8 = is_fp8 and fp8 == "auto" and quantize is None
     kernels = fp8_linear.cuda_kernels(device) if keep_fp8 else []
     kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {} if kernels else None
     load_weights(model, Path(path), keep_fp8=kept)
@@ -87,8 +102,11 @@ def build_model(
         model.quantize_weights(quantize)
     if pack_weights:
         model.pack_weights()
-    if config.quantization is not None:
+    if is_fp8:
         log.info("%s", fp8_linear.describe(model, summary))
+    elif int4:
+        formats, size = model.weight_summary()
+        log.info("%s checkpoint: %s; weights in memory %.1f MiB", method, formats, size / 2**20)
     if config.is_moe:
         log.info("%s", config.describe())
     return model.eval()

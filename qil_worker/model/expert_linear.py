@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qil_worker import cpu_memory
-from qil_worker.model.linear import PACK_TOLERANCE, PACK_BATCH_HINT, packing_supported
+from qil_worker.model.linear import PACK_BATCH_HINT, PACK_TOLERANCE, deferring, packing_supported
 
 
 class ExpertGroups(NamedTuple):
@@ -63,10 +63,21 @@ class ExpertLinear(nn.Module):
         super().__init__()
         self.num_experts, self.out_features, self.in_features = num_experts, out_features, in_features
         self.grouped = grouped
-        self.weight = nn.Parameter(
-            cpu_memory.empty((num_experts, out_features, in_features), dtype, device), requires_grad=False
-        )
+        self._device = torch.device(device)
+        shape = (num_experts, out_features, in_features)
+        # deferred (meta) while a pre-quantized checkpoint's model is built: see linear.deferred_weights
+        if deferring():
+            weight = torch.empty(shape, dtype=dtype, device="meta")
+        else:
+            weight = cpu_memory.empty(shape, dtype, device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.packed_experts: nn.ParameterList | None = None
+
+    def materialize(self) -> None:
+        """Give a deferred (meta) stacked weight its memory, uninitialised (``Linear.materialize``)."""
+        if self.weight is not None and self.weight.is_meta:
+            weight = cpu_memory.empty(tuple(self.weight.shape), self.weight.dtype, self._device)
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     @property
     def dtype(self) -> torch.dtype:

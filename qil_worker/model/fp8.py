@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from qil_worker.config import Fp8Quantization
+from qil_worker.config import Fp8Quantization, Quantization
 
 FP8 = torch.float8_e4m3fn
 FP8_STORED = "F8_E4M3"
@@ -60,10 +60,10 @@ def skips_module(module: str, patterns: tuple[str, ...]) -> bool:
 
 
 def quantized_weights(
-    targets: dict[str, torch.Tensor], quantization: Fp8Quantization | None
+    targets: dict[str, torch.Tensor], quantization: Quantization | None
 ) -> dict[str, tuple[int, ...]]:
     """Checkpoint weight name → shape, for every weight stored in FP8 with a scale grid."""
-    if quantization is None:
+    if not isinstance(quantization, Fp8Quantization):
         return {}
     return {
         name: tuple(target.shape)

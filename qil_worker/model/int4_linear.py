@@ -135,9 +135,11 @@ def group_size_fits(in_features: int, group_size: int) -> bool:
 class Int4Linear(nn.Module):
     """One projection's weight as 4-bit codes with a scale and zero per ``group_size`` inputs."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kernel: str | None = None) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kernel: str | None = None,
+                 label: str = "int4") -> None:
         """``codes`` uint8 [out, in] in [0, 15], ``scales`` and ``mins`` [out, in / G] in the
-        compute dtype; ``kernel`` None: ``int4pack`` where supported, else ``dequantize``."""
+        compute dtype; ``kernel`` None: ``int4pack`` where supported, else ``dequantize``.
+        ``label``: where the codes come from, as ``weight_format`` reports it ("awq int4")."""
         super().__init__()
         if codes.dtype != torch.uint8 or codes.dim() != 2 or scales.shape != mins.shape \
                 or scales.shape[0] != codes.shape[0] or codes.shape[1] % scales.shape[1]:
@@ -146,6 +148,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.group_size = self.in_features // scales.shape[1]
         self._dtype = scales.dtype
+        self.label = label
         if kernel is None:
             supported = int4pack_supported(self.out_features, self.in_features, self.group_size, codes.device, scales.dtype)
             kernel = "int4pack" if supported else "dequantize"
@@ -189,7 +192,7 @@ class Int4Linear(nn.Module):
     @property
     def weight_format(self) -> str:
         name = "_weight_int4pack_mm" if self.kernel == "int4pack" else "dequantized per call"
-        return f"int4 asymmetric group {self.group_size} (weight-only, {name})"
+        return f"{self.label} asymmetric group {self.group_size} (weight-only, {name})"
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())

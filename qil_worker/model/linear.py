@@ -14,6 +14,9 @@ parameter with the packed one, so what ``state_dict()`` shows is what runs.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +28,29 @@ PACK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3
 # The batch size oneDNN is told to expect when it picks a packed layout (default 1). The layout it
 # picks for 1 is a poor one for float32: slower than the others at every row count, one row too.
 PACK_BATCH_HINT = {torch.float32: 8}
+
+
+# Set while ``deferred_weights`` is active: Linears made then hold a meta weight until ``materialize``.
+_deferred = False
+
+
+@contextlib.contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Linears (and ``ExpertLinear`` stacks) constructed inside get a weight on the meta device
+    (its shape, no memory) until ``materialize``: for a checkpoint whose projections load as
+    int4 (AWQ, GPTQ: ``int4_checkpoint.py``), so that the dense weights it never uses are not
+    allocated on the way (on a GPU they would be)."""
+    global _deferred
+    previous, _deferred = _deferred, True
+    try:
+        yield
+    finally:
+        _deferred = previous
+
+
+def deferring() -> bool:
+    """Whether weights made now are deferred (``deferred_weights``): ``ExpertLinear`` asks too."""
+    return _deferred
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -53,10 +79,22 @@ class Linear(nn.Module):
     ) -> None:
         """``weight``: an existing parameter to use (a tied LM head is the embedding table)."""
         super().__init__()
+        self._device = torch.device(device)
         if weight is None:
-            weight = nn.Parameter(cpu_memory.empty((out_features, in_features), dtype, device), requires_grad=False)
+            shape = (out_features, in_features)
+            if _deferred:
+                data = torch.empty(shape, dtype=dtype, device="meta")
+            else:
+                data = cpu_memory.empty(shape, dtype, device)
+            weight = nn.Parameter(data, requires_grad=False)
         self.weight = weight
         self.packed = False
+
+    def materialize(self) -> None:
+        """Give a deferred (meta) weight its memory on the device it was made for, uninitialised."""
+        if self.weight.is_meta:
+            weight = cpu_memory.empty(tuple(self.weight.shape), self.weight.dtype, self._device)
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:

@@ -8,21 +8,28 @@ FP8 checkpoints (``quantization_config``, see ``fp8.py``) are checked the same w
 quantized weight F8_E4M3 with a scale grid of its shape, no scale or FP8 tensor elsewhere — and
 their weights dequantized into the parameters as they are read (block rows at a time), unless the
 caller keeps them in FP8 (``keep_fp8``: the CUDA scaled-mm path, ``fp8_linear.py``).
+
+AWQ and GPTQ checkpoints (``int4_checkpoint.py``) are checked in the same pass — each quantized
+linear's packed tensors (qweight, qzeros, scales, GPTQ's g_idx) present, of their shapes and
+dtypes, and no dense weight in their place — and their projections replaced by ``Int4Linear``s
+after the dense tensors are read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from qil_worker.config import Fp8Quantization
 from qil_worker.errors import WeightError
-from qil_worker.model import fp8
+from qil_worker.model import fp8, int4_checkpoint
 from qil_worker.model.fp8 import TensorHeader
+from qil_worker.model.int4_checkpoint import Int4Quantization
 from qil_worker.parallel.shards import Shard
 
 log = logging.getLogger(__name__)
@@ -106,9 +113,12 @@ def with_model_prefix(found: dict[str, TensorHeader]) -> tuple[dict[str, TensorH
 def check_weights(
     targets: dict[str, torch.Tensor], found: dict[str, TensorHeader], tied: bool,
     fp8_problems: Sequence[str] = (), shards: dict[str, Shard] | None = None,
+    known: Collection[str] = (),
 ) -> None:
     """Raise one ``WeightError`` listing every missing, unknown and mis-shaped tensor, and the
-    FP8 layout's ``fp8_problems`` (``fp8.check_layout``, which owns every ``weight_scale_inv``).
+    quantized layouts' ``fp8_problems`` (``fp8.check_layout``, which owns every
+    ``weight_scale_inv``; ``int4_checkpoint.check_layout``, which owns the ``known`` packed
+    int4 tensors).
     ``shards``: the tensors of which a target holds a slice (tensor parallelism), checked
     against their whole shape."""
     problems: list[str] = []
@@ -122,7 +132,8 @@ def check_weights(
         elif found[name][1] != shape:
             problems.append(f"mis-shaped: {name} expected {shape}, got {found[name][1]}")
     for name in sorted(found):
-        if name not in targets and not (tied and name == TIED_HEAD) and not name.endswith(fp8.SCALE_SUFFIX):
+        if name not in targets and name not in known and not (tied and name == TIED_HEAD) \
+                and not name.endswith(fp8.SCALE_SUFFIX):
             problems.append(f"unknown: {name} (shape {found[name][1]})")
     problems.extend(fp8_problems)
     if problems:
@@ -155,10 +166,18 @@ def load_weights(
     found, stored = with_model_prefix(read_headers(files))
     quantization = model.config.quantization
     quantized = fp8.quantized_weights(targets, quantization)
-    block = quantization.block_size if quantization is not None else (0, 0)
-    check_weights(targets, found, tied=model.config.tie_word_embeddings,
-                  fp8_problems=fp8.check_layout(quantized, found, block), shards=shards)
-    scales = fp8.read_scales(found, quantized, {prefixed: name for name, prefixed in stored.items()})
+    block = quantization.block_size if isinstance(quantization, Fp8Quantization) else (0, 0)
+    problems = fp8.check_layout(quantized, found, block)
+    int4_plan = int4_checkpoint.plan(model, quantization) if isinstance(quantization, Int4Quantization) else None
+    if int4_plan is not None:  # its linears are read apart, after the dense tensors
+        int4_checkpoint.materialize_dense(model, int4_plan)
+        int4_targets = model.weight_targets()  # views of the weights just allocated
+        targets = {name: t for name, t in int4_targets.items() if name not in int4_plan.weights()}
+        problems += int4_checkpoint.check_layout(int4_plan, found)
+    check_weights(targets, found, tied=model.config.tie_word_embeddings, fp8_problems=problems, shards=shards,
+                  known=int4_plan.tensors() if int4_plan is not None else ())
+    own_names = {prefixed: name for name, prefixed in stored.items()}
+    scales = fp8.read_scales(found, quantized, own_names)
     with torch.no_grad():
         for i, path in enumerate(files, 1):
             log.info("loading weights: shard %d/%d (%s)", i, len(files), path.name)
@@ -178,6 +197,10 @@ def load_weights(
                         keep_fp8[name] = (f.get_tensor(stored_name).to(target.device), scale.to(target.device))
                     else:
                         fp8.dequantize_into(target, f.get_tensor(stored_name), scales[fp8.scale_name(name)], block)
+    if int4_plan is not None:
+        swapped = int4_checkpoint.load(int4_plan, found, own_names, int4_targets, model.dtype, model.device)
+        log.info("%s: %d projections int4 (%d checkpoint linears), %d dequantized into dense ones",
+                 int4_plan.format.LABEL, swapped, len(int4_plan.parts), len(int4_plan.projections) - swapped)
     if model.config.tie_word_embeddings and TIED_HEAD in found:
         check_tied_copy(found, shards.get(EMBEDDING))
 

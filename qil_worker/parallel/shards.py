@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from qil_worker.config import Qwen3Config
+from qil_worker.config import Fp8Quantization, Qwen3Config
 from qil_worker.errors import ConfigError
 
 
@@ -133,6 +133,11 @@ def check_tp_size(config: Qwen3Config, world_size: int) -> None:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
     if config.quantization is not None and world_size > 1:
+        if not isinstance(config.quantization, Fp8Quantization):
+            raise ConfigError(
+                "tensor_parallel_size: int4 checkpoints (quantization_config: AWQ, GPTQ) are not "
+                "split across ranks yet; serve them with tensor_parallel_size 1"
+            )
         raise ConfigError(fp8_shard_problem(config, world_size))
     problems = tp_problems(config, world_size)
     if problems:

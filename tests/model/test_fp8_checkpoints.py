@@ -191,7 +191,7 @@ def test_config_reads_the_fp8_quantization():
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("quant_method", "gptq", "quantization_config.quant_method: 'gptq' is not supported"),
+        ("quant_method", "bitsandbytes", "quantization_config.quant_method: 'bitsandbytes' is not supported"),
         ("fmt", "e5m2", "quantization_config.fmt: 'e5m2' is not supported"),
         ("activation_scheme", "static", "quantization_config.activation_scheme: 'static' is not supported"),
         ("weight_block_size", [64, 64], r"quantization_config.weight_block_size: \[64, 64\] is not supported"),
