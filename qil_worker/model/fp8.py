@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from qil_worker.config import Fp8Quantization, Quantization
+from qil_worker.parallel.shards import Shard
 
 FP8 = torch.float8_e4m3fn
 FP8_STORED = "F8_E4M3"
@@ -60,13 +61,15 @@ def skips_module(module: str, patterns: tuple[str, ...]) -> bool:
 
 
 def quantized_weights(
-    targets: dict[str, torch.Tensor], quantization: Quantization | None
+    targets: dict[str, torch.Tensor], quantization: Quantization | None, shards: dict[str, Shard] | None = None,
 ) -> dict[str, tuple[int, ...]]:
-    """Checkpoint weight name → shape, for every weight stored in FP8 with a scale grid."""
+    """Checkpoint weight name → its shape in the checkpoint, for every weight stored in FP8
+    with a scale grid; ``shards``: the targets that hold a slice (tensor parallelism)."""
     if not isinstance(quantization, Fp8Quantization):
         return {}
+    shards = shards or {}
     return {
-        name: tuple(target.shape)
+        name: shards[name].full_shape(tuple(target.shape)) if name in shards else tuple(target.shape)
         for name, target in targets.items()
         if QUANTIZED_LINEAR.fullmatch(name)
         and not skips_module(name.removesuffix(".weight"), quantization.modules_to_not_convert)
@@ -150,6 +153,15 @@ def _fp8_values(device: torch.device) -> torch.Tensor:
     """The float32 value of each of the 256 float8_e4m3fn bit patterns: looking values up is
     several times faster on a CPU than torch's element-wise conversion, with the same results."""
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).to(device, torch.float32)
+
+
+def scale_shard(shard: Shard, block: tuple[int, int]) -> Shard:
+    """The rows or columns of a weight's scale grid that a slice ``shard`` of the weight needs:
+    whole blocks (``parallel.shards.check_tp_size`` refuses slices with an edge inside one)."""
+    size = block[shard.dim]
+    if shard.start % size or (shard.stop % size and shard.stop != shard.full):
+        raise ValueError(f"slice [{shard.start}, {shard.stop}) of dim {shard.dim} is not whole {size}-blocks")
+    return Shard(shard.dim, shard.start // size, -(-shard.stop // size), -(-shard.full // size))
 
 
 def dequantize_into(

@@ -165,7 +165,7 @@ def load_weights(
     files = shard_files(directory)
     found, stored = with_model_prefix(read_headers(files))
     quantization = model.config.quantization
-    quantized = fp8.quantized_weights(targets, quantization)
+    quantized = fp8.quantized_weights(targets, quantization, shards)
     block = quantization.block_size if isinstance(quantization, Fp8Quantization) else (0, 0)
     problems = fp8.check_layout(quantized, found, block)
     int4_plan = int4_checkpoint.plan(model, quantization) if isinstance(quantization, Int4Quantization) else None
@@ -188,15 +188,21 @@ def load_weights(
                     if target is None:  # a scale, or a tied checkpoint's own lm_head copy
                         continue
                     shard = shards.get(name)
-                    if shard is not None:  # (FP8 checkpoints are not split: ``check_tp_size``)
-                        target.copy_(f.get_slice(stored_name)[shard.index()])
-                    elif name not in quantized:
-                        target.copy_(f.get_tensor(stored_name))
-                    elif keep_fp8 is not None and not fp8.EXPERT_LINEAR.fullmatch(name):
-                        scale = scales[fp8.scale_name(name)]
-                        keep_fp8[name] = (f.get_tensor(stored_name).to(target.device), scale.to(target.device))
+                    if name not in quantized:
+                        target.copy_(f.get_tensor(stored_name) if shard is None
+                                     else f.get_slice(stored_name)[shard.index()])
+                        continue
+                    # an FP8 weight (or this rank's slice of it) and the scales of its blocks
+                    scale = scales[fp8.scale_name(name)]
+                    if shard is None:
+                        weight = f.get_tensor(stored_name)
                     else:
-                        fp8.dequantize_into(target, f.get_tensor(stored_name), scales[fp8.scale_name(name)], block)
+                        weight = f.get_slice(stored_name)[shard.index()]
+                        scale = scale[fp8.scale_shard(shard, block).index()]
+                    if keep_fp8 is not None and not fp8.EXPERT_LINEAR.fullmatch(name):
+                        keep_fp8[name] = (weight.to(target.device), scale.to(target.device))
+                    else:
+                        fp8.dequantize_into(target, weight, scale, block)
     if int4_plan is not None:
         swapped = int4_checkpoint.load(int4_plan, found, own_names, int4_targets, model.dtype, model.device)
         log.info("%s: %d projections int4 (%d checkpoint linears), %d dequantized into dense ones",

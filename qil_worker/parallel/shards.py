@@ -100,30 +100,36 @@ def tp_problems(config: Qwen3Config, world_size: int) -> list[str]:
     return problems
 
 
-def fp8_shard_problem(config: Qwen3Config, world_size: int) -> str:
-    """Why an FP8 block-quantized checkpoint is not split over ``world_size`` ranks: a rank's
-    slice of a projection needs the matching slice of its block scales, which the loader does
-    not cut (``loader.load_weights`` slices the weights only), and a slice edge inside a block
-    would split one scale between two ranks; the slices of this model whose edges do."""
+def fp8_slice_problems(config: Qwen3Config, world_size: int) -> list[str]:
+    """The slices of an FP8 block-quantized model that would end inside a scale block at
+    ``world_size`` ranks (each would share one scale between two ranks): a rank's slice of a
+    projection reads whole blocks of its ``weight_scale_inv`` (``fp8.scale_shard``)."""
+    if world_size == 1:
+        return []  # nothing is sliced
     n, (rows, cols) = world_size, config.quantization.block_size
     slices = {"q_proj rows (num_attention_heads x head_dim)": config.num_attention_heads * config.head_dim // n}
     if config.num_key_value_heads >= n:
         kv_rows = config.num_key_value_heads * config.head_dim // n
         slices["k_proj/v_proj rows (num_key_value_heads x head_dim)"] = kv_rows
+    else:  # each rank keeps one whole KV head
+        slices["k_proj/v_proj rows (head_dim, one KV head per rank)"] = config.head_dim
     if any(not config.is_sparse_layer(i) for i in range(config.num_hidden_layers)):
         slices["gate_proj/up_proj rows (intermediate_size)"] = config.intermediate_size // n
     if config.is_moe:
         slices["expert gate_proj/up_proj rows (moe_intermediate_size)"] = config.moe_intermediate_size // n
     # a column-parallel slice's rows are the width of its row-parallel partner's columns
-    inside = [f"{name} {size} per rank" for name, size in slices.items() if size % rows or size % cols]
+    return [f"{name} {size} per rank" for name, size in slices.items() if size % rows or size % cols]
+
+
+def _fp8_refusal(config: Qwen3Config, world_size: int, inside: list[str]) -> str:
+    rows, cols = config.quantization.block_size
+    working = [n for n in range(1, config.num_attention_heads + 1)
+               if not tp_problems(config, n) and not fp8_slice_problems(config, n)]
     return (
-        f"tensor_parallel_size {n}: an FP8 block-quantized checkpoint (quantization_config, "
-        f"weight_block_size [{rows}, {cols}]) is not split across ranks: each rank's slice of a projection "
-        f"needs the matching slice of its weight_scale_inv (one scale per {rows}x{cols} block), which "
-        "is not loaded per rank"
-        + (f", and these slices end inside a block, sharing its scale between ranks: {'; '.join(inside)}"
-           if inside else "")
-        + ". Serve it with tensor_parallel_size 1."
+        f"tensor_parallel_size {world_size}: this FP8 block-quantized checkpoint (weight_block_size "
+        f"[{rows}, {cols}]) splits only on whole blocks of its weight_scale_inv, and these slices end "
+        f"inside a block: {'; '.join(inside)}. The largest tensor_parallel_size that works: {max(working)} "
+        f"(all that do: {', '.join(map(str, working))})."
     )
 
 
@@ -138,7 +144,10 @@ def check_tp_size(config: Qwen3Config, world_size: int) -> None:
                 "tensor_parallel_size: int4 checkpoints (quantization_config: AWQ, GPTQ) are not "
                 "split across ranks yet; serve them with tensor_parallel_size 1"
             )
-        raise ConfigError(fp8_shard_problem(config, world_size))
+        if not tp_problems(config, world_size):
+            inside = fp8_slice_problems(config, world_size)
+            if inside:
+                raise ConfigError(_fp8_refusal(config, world_size, inside))
     problems = tp_problems(config, world_size)
     if problems:
         working = [n for n in range(1, config.num_attention_heads + 1) if not tp_problems(config, n)]

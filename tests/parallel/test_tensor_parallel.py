@@ -143,39 +143,74 @@ def test_a_killed_follower_fails_the_streams_at_once_and_the_engine_refuses_work
 
 
 
-def test_fp8_block_checkpoints_are_refused_above_tp1_naming_the_scales_and_the_slices(tmp_path):
-    """A rank's slice of an FP8 projection would need its slice of the block scales, which the
-    loader does not cut: refused at load, before any tensor is read; TP 1 loads it."""
+def test_fp8_block_checkpoints_whose_slices_end_inside_a_block_are_refused_naming_them(tmp_path):
+    """A slice edge inside a 128x128 block would share its scale between two ranks: refused at
+    load, before any tensor is read, naming the slices and the sizes that work; TP 1 loads it."""
     from checkpoints import make_fp8_checkpoint, make_fp8_moe_checkpoint
 
     dense = make_fp8_checkpoint(tmp_path / "dense")
     with pytest.raises(ConfigError) as error:
         Qwen3.from_directory(dense, parallel=ParallelState(0, 2))
     message = str(error.value)
-    assert message.startswith("tensor_parallel_size 2: an FP8 block-quantized checkpoint")
-    assert "weight_scale_inv (one scale per 128x128 block)" in message
+    assert message.startswith("tensor_parallel_size 2: this FP8 block-quantized checkpoint")
+    assert "splits only on whole blocks of its weight_scale_inv" in message
     assert "gate_proj/up_proj rows (intermediate_size) 48 per rank" in message  # 96 / 2, inside a block
     assert "q_proj rows (num_attention_heads x head_dim) 32 per rank" in message
-    assert message.endswith("Serve it with tensor_parallel_size 1.")
+    assert message.endswith("The largest tensor_parallel_size that works: 1 (all that do: 1).")
     assert Qwen3.from_directory(dense).config.quantization is not None
     with pytest.raises(ConfigError, match=r"expert gate_proj/up_proj rows \(moe_intermediate_size\) 16 per rank"):
         Qwen3.from_directory(make_fp8_moe_checkpoint(tmp_path / "moe"), parallel=ParallelState(0, 2))
 
 
-def test_fp8_refusal_of_an_aligned_model_names_only_the_scales():
-    """Qwen3-8B's shape at TP 2: every slice a whole number of 128-blocks, still refused (the
-    scales are not cut per rank), naming no slice."""
+def _fp8_config(**shape):
     from qil_worker.config import Qwen3Config
+
+    return Qwen3Config.from_dict(dict(
+        vocab_size=151936, num_hidden_layers=4, head_dim=128, max_position_embeddings=40960,
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                             "weight_block_size": [128, 128]}, **shape,
+    ))
+
+
+def test_fp8_sizes_of_the_official_shapes():
+    """Qwen3-8B splits on whole blocks at 2, 4 and 8 ranks; Qwen3-30B-A3B's 768-wide experts
+    only at 2 (at 4 a rank's 192 rows end inside a block)."""
     from qil_worker.parallel import check_tp_size
 
-    config = Qwen3Config.from_dict(dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                             "weight_block_size": [128, 128]},
-    ))
+    dense = _fp8_config(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                        num_key_value_heads=8)
+    for n in (1, 2, 4, 8):
+        check_tp_size(dense, n)
+    moe = _fp8_config(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                      num_key_value_heads=4, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    check_tp_size(moe, 2)
     with pytest.raises(ConfigError) as error:
-        check_tp_size(config, 2)
-    assert "is not loaded per rank. Serve it with tensor_parallel_size 1." in str(error.value)
-    assert "per rank;" not in str(error.value) and "inside a block" not in str(error.value)
-    check_tp_size(config, 1)
+        check_tp_size(moe, 4)
+    assert "expert gate_proj/up_proj rows (moe_intermediate_size) 192 per rank" in str(error.value)
+    assert "The largest tensor_parallel_size that works: 2 (all that do: 1, 2)." in str(error.value)
+
+
+# every rank's slice whole 128-blocks at TP 2: 2 heads of 128, widths of 256
+FP8_ALIGNED = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                   intermediate_size=256)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_fp8_tp2_loads_each_ranks_blocks_and_gives_tp1s_logits_and_tokens(kind, tmp_path):
+    """Each rank reads its slice of every FP8 projection and the scale blocks of that slice,
+    dequantized as at TP 1: the same logits (float32) and greedy tokens, every page free."""
+    from checkpoints import make_fp8_checkpoint, make_fp8_moe_checkpoint
+
+    if kind == "dense":
+        path = make_fp8_checkpoint(tmp_path / "ckpt", **FP8_ALIGNED)
+    else:
+        path = make_fp8_moe_checkpoint(tmp_path / "ckpt", **FP8_ALIGNED, moe_intermediate_size=256)
+    for size in (1, 2):
+        (tmp_path / f"tp{size}").mkdir()
+    (alone,) = run_ranks(forward_and_generate, 1, tmp_path / "tp1", str(path), PROMPTS[:4], LOGIT_PROMPT)
+    ranks = run_ranks(forward_and_generate, 2, tmp_path / "tp2", str(path), PROMPTS[:4], LOGIT_PROMPT)
+    lead = ranks[0]
+    assert (lead["logits"] - alone["logits"]).abs().max().item() < 1e-4 * alone["logits"].abs().max().item()
+    assert lead["tokens"] == alone["tokens"] and lead["sampled"] == alone["sampled"]
+    assert lead["pages_used"] == 0 and ranks[1]["steps"] > 4
+    assert all(r["weight_bytes"] < alone["weight_bytes"] * 0.75 for r in ranks)
