@@ -267,3 +267,15 @@ def make_judge_checkpoint(path: Path, seed: int = 3) -> Path:
     tok.save_pretrained(path)
     make_checkpoint(path, seed=seed, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
     return Path(path)
+
+
+def make_headless_checkpoint(path: Path, seed: int = 6) -> Path:
+    """A Qwen3-Embedding-shaped checkpoint (as the 4B/8B are stored): untied config, base-model
+    names without ``model.``, no LM head."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_checkpoint(path, seed=seed, tie_word_embeddings=False)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file({name.removeprefix("model."): t for name, t in tensors.items()}, path / "model.safetensors")
+    return path

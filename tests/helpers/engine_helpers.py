@@ -63,3 +63,33 @@ def check_preemption_and_cancel(engine, ref) -> list:
     assert engine.result(victim).finish_reason is FinishReason.CANCELLED
     assert_pool_free(engine)
     return results
+
+
+def seeded_prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids`` prefilled at once (float32)."""
+    from qil_worker.engine.probe import ForwardProbe
+
+    probe = ForwardProbe(model, num_pages=32, page_size=8)
+    (logits,) = probe.forward([(probe.sequence(ids), len(ids))])
+    return logits.float()
+
+
+def decode_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids`` fed one token per forward (float32)."""
+    from qil_worker.engine.probe import ForwardProbe
+
+    probe = ForwardProbe(model, num_pages=32, page_size=4)
+    seq = probe.sequence(ids)
+    return torch.cat([probe.forward([(seq, 1)])[0] for _ in ids]).float()
+
+
+def reference_logits(path, ids: list[int]) -> torch.Tensor:
+    """transformers' logits of ``ids`` for the checkpoint at ``path``."""
+    from checkpoints import load_reference
+
+    with torch.no_grad():
+        return load_reference(path)(torch.tensor([ids])).logits[0]

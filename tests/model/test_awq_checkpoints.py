@@ -14,11 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import load_reference
-from engine_helpers import assert_pool_free, reference_greedy
+from engine_helpers import (
+    assert_pool_free, decode_logits, prefill_logits, reference_greedy, reference_logits, seeded_prompt,
+)
 from int4_checkpoints import make_awq_checkpoint
 from qil_worker import Engine, Qwen3
 from qil_worker.config import AwqQuantization, Qwen3Config
-from qil_worker.engine.probe import ForwardProbe
 from qil_worker.errors import ConfigError, WeightError
 from qil_worker.model.int4_linear import Int4Linear
 from qil_worker.model.linear import Linear
@@ -40,27 +41,6 @@ def g32(tmp_path_factory):
     return make_awq_checkpoint(root / "awq", root / "ref", seed=22, group_size=32), root / "ref"
 
 
-def _prompt(n: int, seed: int, vocab: int) -> list[int]:
-    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _prefill(model: Qwen3, ids: list[int]) -> torch.Tensor:
-    probe = ForwardProbe(model, num_pages=32, page_size=8)
-    (logits,) = probe.forward([(probe.sequence(ids), len(ids))])
-    return logits.float()
-
-
-def _decode(model: Qwen3, ids: list[int]) -> torch.Tensor:
-    probe = ForwardProbe(model, num_pages=32, page_size=4)
-    seq = probe.sequence(ids)
-    return torch.cat([probe.forward([(seq, 1)])[0] for _ in ids]).float()
-
-
-def _reference(path, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return load_reference(path)(torch.tensor([ids])).logits[0]
-
-
 @pytest.mark.parametrize("fixture", ["g128", "g32"])
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 def test_logits_match_transformers_on_the_dequantized_weights(request, fixture, fused):
@@ -77,16 +57,16 @@ def test_logits_match_transformers_on_the_dequantized_weights(request, fixture, 
     kv = config.num_key_value_heads * config.head_dim
     assert (layer.qkv_proj if fused else layer.qk_proj).out_features == \
         config.num_attention_heads * config.head_dim + (2 if fused else 1) * kv
-    ids = _prompt(33, 5, config.vocab_size)
-    want = _reference(ref, ids)
-    torch.testing.assert_close(_prefill(model, ids), want, atol=ATOL, rtol=0)
-    torch.testing.assert_close(_decode(model, ids), want, atol=ATOL, rtol=0)
+    ids = seeded_prompt(33, 5, config.vocab_size)
+    want = reference_logits(ref, ids)
+    torch.testing.assert_close(prefill_logits(model, ids), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(decode_logits(model, ids), want, atol=ATOL, rtol=0)
 
 
 def test_engine_greedy_tokens_equal_transformers_and_every_page_is_freed(g128):
     path, ref = g128
     reference = load_reference(ref)
-    prompts = [_prompt(n, 30 + n, 160) for n in (1, 6, 21)]
+    prompts = [seeded_prompt(n, 30 + n, 160) for n in (1, 6, 21)]
     expected = [reference_greedy(reference, p, 10) for p in prompts]
     engine = Engine(Qwen3.from_directory(path, dtype="float32"), num_pages=64, page_size=8, debug=True)
     assert [r.output_token_ids for r in engine.generate(prompts, max_new_tokens=10)] == expected
@@ -98,8 +78,8 @@ def test_bfloat16_runs_the_int4_kernel_close_to_the_reference(g128):
     path, ref = g128
     model = Qwen3.from_directory(path, dtype="bfloat16")
     assert model.layers[0].qk_proj.kernel == "int4pack"  # the CPU kernel runs these shapes
-    ids = _prompt(20, 6, 160)
-    got, want = _prefill(model, ids), _reference(ref, ids)
+    ids = seeded_prompt(20, 6, 160)
+    got, want = prefill_logits(model, ids), reference_logits(ref, ids)
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
@@ -125,8 +105,8 @@ def test_modules_to_not_convert_stay_dense_and_mixed_projections_are_dequantized
     assert type(layer.qkv_proj if fused else layer.qk_proj) is Linear
     if not fused:
         assert type(layer.v_proj) is Int4Linear
-    ids = _prompt(17, 7, 160)
-    torch.testing.assert_close(_prefill(model, ids), _reference(tmp_path / "ref", ids), atol=ATOL, rtol=0)
+    ids = seeded_prompt(17, 7, 160)
+    torch.testing.assert_close(prefill_logits(model, ids), reference_logits(tmp_path / "ref", ids), atol=ATOL, rtol=0)
 
 
 def _rewrite(src, dst, mutate):
@@ -216,11 +196,11 @@ def test_a_moe_checkpoint_loads_its_experts_as_int4_and_matches_transformers(tmp
     assert mlp.gate_up.num_experts == 8 and mlp.gate_up.out_features == 2 * 32  # gate and up, fused
     assert type(mlp.gate).__name__ == "Router"  # the router stays dense
     assert "awq int4 experts asymmetric group 32" in model.weight_summary()[0]
-    ids = _prompt(21, 8, 97)
+    ids = seeded_prompt(21, 8, 97)
     with torch.no_grad():
         want = load_moe_reference(tmp_path / "ref")(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_prefill(model, ids), want, atol=ATOL, rtol=0)
-    torch.testing.assert_close(_decode(model, ids), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(prefill_logits(model, ids), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(decode_logits(model, ids), want, atol=ATOL, rtol=0)
 
 
 def test_moe_experts_are_never_allocated_dense_and_the_engine_matches_transformers(tmp_path, monkeypatch):
@@ -235,7 +215,7 @@ def test_moe_experts_are_never_allocated_dense_and_the_engine_matches_transforme
     model = Qwen3.from_directory(path, dtype="float32")
     assert (8, 64) in shapes and not {(8, 64, 64), (8, 64, 32)} & set(shapes), shapes  # routers dense, experts not
     reference = load_moe_reference(tmp_path / "ref")
-    prompts = [_prompt(n, 50 + n, 97) for n in (3, 11)]
+    prompts = [seeded_prompt(n, 50 + n, 97) for n in (3, 11)]
     expected = [reference_greedy(reference, p, 8) for p in prompts]
     engine = Engine(model, num_pages=64, page_size=8, debug=True)
     assert [r.output_token_ids for r in engine.generate(prompts, max_new_tokens=8)] == expected
@@ -264,7 +244,7 @@ def test_a_server_reports_awq_int4_in_get_info(g32):
     with start_server(g32[0], dtype="bfloat16") as srv:
         with Client(srv.target) as client:
             info = client.info().model
-            result = client.generate(_prompt(8, 2, 97), max_new_tokens=4)
+            result = client.generate(seeded_prompt(8, 2, 97), max_new_tokens=4)
     assert info.weight_format == expected[0] and info.weight_format.startswith("12x awq int4 asymmetric group 32")
     assert info.weight_bytes == expected[1]
     assert len(result.token_ids) == 4

@@ -11,11 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import load_reference
-from engine_helpers import assert_pool_free, reference_greedy
+from engine_helpers import (
+    assert_pool_free, decode_logits, prefill_logits, reference_greedy, reference_logits, seeded_prompt,
+)
 from int4_checkpoints import gptq_quantize, make_gptq_checkpoint, pack_columns, pack_rows
 from qil_worker import Engine, Qwen3
 from qil_worker.config import GptqQuantization, Qwen3Config
-from qil_worker.engine.probe import ForwardProbe
 from qil_worker.errors import ConfigError, WeightError
 from qil_worker.model import gptq
 from qil_worker.model.int4_linear import Int4Linear, dequantize
@@ -65,27 +66,6 @@ def g32_asym(tmp_path_factory):
     return make_gptq_checkpoint(root / "gptq", root / "ref", seed=32, group_size=32, sym=False), root / "ref"
 
 
-def _prompt(n: int, seed: int, vocab: int) -> list[int]:
-    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _prefill(model: Qwen3, ids: list[int]) -> torch.Tensor:
-    probe = ForwardProbe(model, num_pages=32, page_size=8)
-    (logits,) = probe.forward([(probe.sequence(ids), len(ids))])
-    return logits.float()
-
-
-def _decode(model: Qwen3, ids: list[int]) -> torch.Tensor:
-    probe = ForwardProbe(model, num_pages=32, page_size=4)
-    seq = probe.sequence(ids)
-    return torch.cat([probe.forward([(seq, 1)])[0] for _ in ids]).float()
-
-
-def _reference(path, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return load_reference(path)(torch.tensor([ids])).logits[0]
-
-
 @pytest.mark.parametrize("fixture", ["g128", "g32_asym"])
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 def test_logits_match_transformers_on_the_dequantized_weights(request, fixture, fused):
@@ -97,16 +77,16 @@ def test_logits_match_transformers_on_the_dequantized_weights(request, fixture, 
     for proj in (*fused_parts, layer.o_proj, layer.mlp.down_proj):
         assert type(proj) is Int4Linear and proj.label == "gptq int4", proj
     assert type(model.head) is Linear
-    ids = _prompt(29, 5, model.config.vocab_size)
-    want = _reference(ref, ids)
-    torch.testing.assert_close(_prefill(model, ids), want, atol=ATOL, rtol=0)
-    torch.testing.assert_close(_decode(model, ids), want, atol=ATOL, rtol=0)
+    ids = seeded_prompt(29, 5, model.config.vocab_size)
+    want = reference_logits(ref, ids)
+    torch.testing.assert_close(prefill_logits(model, ids), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(decode_logits(model, ids), want, atol=ATOL, rtol=0)
 
 
 def test_engine_greedy_tokens_equal_transformers_and_every_page_is_freed(g128):
     path, ref = g128
     reference = load_reference(ref)
-    prompts = [_prompt(n, 40 + n, 160) for n in (2, 9, 17)]
+    prompts = [seeded_prompt(n, 40 + n, 160) for n in (2, 9, 17)]
     expected = [reference_greedy(reference, p, 8) for p in prompts]
     engine = Engine(Qwen3.from_directory(path, dtype="float32"), num_pages=64, page_size=8, debug=True)
     assert [r.output_token_ids for r in engine.generate(prompts, max_new_tokens=8)] == expected
@@ -127,8 +107,8 @@ def test_modules_to_not_convert_stay_dense(tmp_path):
                                 modules_to_not_convert=["up_proj"], **G128)
     model = Qwen3.from_directory(path, dtype="float32", fused_projections=True, pack_weights=False)
     assert type(model.layers[0].mlp.gate_up_proj) is Linear and type(model.layers[0].qkv_proj) is Int4Linear
-    ids = _prompt(13, 7, 160)
-    torch.testing.assert_close(_prefill(model, ids), _reference(tmp_path / "ref", ids), atol=ATOL, rtol=0)
+    ids = seeded_prompt(13, 7, 160)
+    torch.testing.assert_close(prefill_logits(model, ids), reference_logits(tmp_path / "ref", ids), atol=ATOL, rtol=0)
 
 
 def _rewrite(src, dst, mutate):
@@ -209,11 +189,11 @@ def test_a_moe_checkpoint_loads_its_experts_as_int4_and_matches_transformers(tmp
     model = Qwen3.from_directory(path, dtype="float32")
     assert type(model.layers[2].mlp.down) is Int4ExpertLinear
     assert "gptq int4 experts asymmetric group 32" in model.weight_summary()[0]
-    ids = _prompt(19, 9, 97)
+    ids = seeded_prompt(19, 9, 97)
     with torch.no_grad():
         want = load_moe_reference(tmp_path / "ref")(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_prefill(model, ids), want, atol=ATOL, rtol=0)
-    torch.testing.assert_close(_decode(model, ids), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(prefill_logits(model, ids), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(decode_logits(model, ids), want, atol=ATOL, rtol=0)
 
 
 def test_the_config_file_round_trip(g128):

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
-from checkpoints import make_checkpoint
+from checkpoints import make_checkpoint, make_headless_checkpoint
 from engine_helpers import random_prompts
 from tp_ranks import pooled_and_generate, run_ranks
 
@@ -43,12 +42,7 @@ def untied_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def headless_dir(tmp_path_factory):
-    """A Qwen3-Embedding-shaped checkpoint: untied config, base-model names, no LM head."""
-    path = make_checkpoint(tmp_path_factory.mktemp("tp-headless") / "m", seed=6, tie_word_embeddings=False)
-    tensors = load_file(path / "model.safetensors")
-    del tensors["lm_head.weight"]
-    save_file({name.removeprefix("model."): t for name, t in tensors.items()}, path / "model.safetensors")
-    return path
+    return make_headless_checkpoint(tmp_path_factory.mktemp("tp-headless") / "m")
 
 
 def test_tp2_embeddings_scores_and_mixed_steps_match_tp1(untied_dir, tmp_path):

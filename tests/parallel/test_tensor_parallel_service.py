@@ -17,9 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from qil_client import Client, QilError
-from safetensors.torch import load_file, save_file
 
-from checkpoints import make_checkpoint
+from checkpoints import make_headless_checkpoint
 from service_fixtures import (
     free_port, make_service_checkpoint, reference_outputs, serve_process, start_server, wait_until,
 )
@@ -36,12 +35,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def headless_dir(tmp_path_factory):
-    """A Qwen3-Embedding-shaped checkpoint: untied config, base-model names, no LM head."""
-    path = make_checkpoint(tmp_path_factory.mktemp("tp-headless") / "m", seed=6, tie_word_embeddings=False)
-    tensors = load_file(path / "model.safetensors")
-    del tensors["lm_head.weight"]
-    save_file({name.removeprefix("model."): t for name, t in tensors.items()}, path / "model.safetensors")
-    return path
+    return make_headless_checkpoint(tmp_path_factory.mktemp("tp-headless") / "m")
 
 
 def _children(pid: int) -> list[int]:

@@ -8,9 +8,8 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
-from checkpoints import load_reference, make_checkpoint, make_judge_checkpoint
+from checkpoints import load_reference, make_headless_checkpoint, make_judge_checkpoint
 from qil_client import Client, InvalidArgument
 from qil_worker.errors import ConfigError
 from qil_worker.task import resolve
@@ -22,12 +21,7 @@ ENGINE = dict(num_pages=64, page_size=8, token_budget=128, prefill_chunk=32, max
 
 @pytest.fixture(scope="module")
 def headless_dir(tmp_path_factory):
-    """A Qwen3-Embedding-8B-shaped checkpoint: untied config, base-model names, no LM head."""
-    path = make_checkpoint(tmp_path_factory.mktemp("headless") / "m", seed=6, tie_word_embeddings=False)
-    tensors = load_file(path / "model.safetensors")
-    del tensors["lm_head.weight"]
-    save_file({name.removeprefix("model."): t for name, t in tensors.items()}, path / "model.safetensors")
-    return path
+    return make_headless_checkpoint(tmp_path_factory.mktemp("headless") / "m")
 
 
 def idle(client: Client) -> bool:
