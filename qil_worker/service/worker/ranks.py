@@ -81,7 +81,7 @@ def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_
     from qil_worker.model import Qwen3
     from qil_worker.parallel.group import gather_ints, join_group, leave_group
     from qil_worker.service import logs
-    from qil_worker.service.worker.startup import agreed_pool
+    from qil_worker.service.worker.pool_agreement import agreed_pool
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front owns signals, as for rank 0
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -13,6 +13,7 @@ from typing import Any
 
 from qil_worker.service import protocol as P
 from qil_worker.service.heap import freeze_startup_heap
+from qil_worker.service.worker.pool_agreement import agreed_pool
 
 log = logging.getLogger("qil.worker")
 
@@ -186,31 +187,6 @@ def _install_forward_fault(model: Any, spec: str | None) -> None:
 
     model.forward = forward  # the instance attribute shadows the method for this model only
     log.warning("TEST FAULT INJECTION ON: forward calls %d..%d will raise", first_call, first_call + num - 1)
-
-
-def agreed_pool(model: Any, config: P.WorkerConfig, parallel: Any) -> Any:
-    """The KV pool ``config`` asks for (pages, a byte budget or a fraction of free device
-    memory), sized by every rank of ``parallel`` for its own shard and device, and the fewest
-    pages any rank can hold taken by all: rank 0's scheduler hands out one pool's pages, which
-    every rank holds its heads of. Each rank calls it at the same point of its start-up (a
-    fraction's warm-up forward runs on all ranks together)."""
-    from qil_worker.engine.memory import size_pool
-    from qil_worker.engine.runner.model_runner import scratch_pages
-    from qil_worker.parallel.group import gather_ints
-
-    engine_config = config.engine
-    memory_bytes, memory_fraction = config.kv_memory_bytes, config.kv_memory_fraction
-    sized = memory_bytes is not None or memory_fraction is not None  # else: engine_config.num_pages
-    scratch = scratch_pages(model, engine_config.cuda_graphs, engine_config.debug)
-    pool = size_pool(
-        model, engine_config.page_size, num_pages=None if sized else engine_config.num_pages,
-        memory_bytes=memory_bytes, memory_fraction=memory_fraction, warmup_tokens=engine_config.token_budget,
-        reserved_pages=scratch, graphs=scratch > 0,  # the scratch page means graphs
-    )
-    fewest = min(gather_ints(parallel, pool.num_pages))
-    if fewest == pool.num_pages:
-        return pool
-    return dataclasses.replace(pool, num_pages=fewest, reason=f"{pool.reason}, the fewest pages of any rank")
 
 
 def _tensor_parallel(config: P.WorkerConfig, model_dir: str, embedding: bool) -> Any:
