@@ -279,3 +279,15 @@ def make_headless_checkpoint(path: Path, seed: int = 6) -> Path:
     del tensors["lm_head.weight"]
     save_file({name.removeprefix("model."): t for name, t in tensors.items()}, path / "model.safetensors")
     return path
+
+
+def rewrite_checkpoint(src: Path, dst: Path, mutate) -> Path:
+    """A copy of the single-file checkpoint ``src`` at ``dst`` with ``mutate(tensors)`` applied."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    mutate(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from checkpoints import load_reference
+from checkpoints import load_reference, rewrite_checkpoint
 from engine_helpers import (
     assert_pool_free, decode_logits, prefill_logits, reference_greedy, reference_logits, seeded_prompt,
 )
@@ -109,13 +109,6 @@ def test_modules_to_not_convert_stay_dense_and_mixed_projections_are_dequantized
     torch.testing.assert_close(prefill_logits(model, ids), reference_logits(tmp_path / "ref", ids), atol=ATOL, rtol=0)
 
 
-def _rewrite(src, dst, mutate):
-    dst.mkdir()
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    tensors = load_file(src / "model.safetensors")
-    mutate(tensors)
-    save_file(tensors, dst / "model.safetensors")
-    return dst
 
 
 def test_every_layout_problem_in_one_error_naming_each_tensor(g32, tmp_path):
@@ -130,7 +123,7 @@ def test_every_layout_problem_in_one_error_naming_each_tensor(g32, tmp_path):
         t["lm_head.qweight"] = torch.zeros(64, 12, dtype=torch.int32)                  # the head is not AWQ
 
     with pytest.raises(WeightError) as info:
-        Qwen3.from_directory(_rewrite(path, tmp_path / "bad", mutate))
+        Qwen3.from_directory(rewrite_checkpoint(path, tmp_path / "bad", mutate))
     msg = str(info.value)
     assert "5 problem(s)" in msg, msg
     assert f"missing: {l0}self_attn.k_proj.qzeros (expected shape (2, 4) int32)" in msg

@@ -8,9 +8,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from checkpoints import load_reference
+from checkpoints import load_reference, rewrite_checkpoint
 from engine_helpers import (
     assert_pool_free, decode_logits, prefill_logits, reference_greedy, reference_logits, seeded_prompt,
 )
@@ -111,13 +110,6 @@ def test_modules_to_not_convert_stay_dense(tmp_path):
     torch.testing.assert_close(prefill_logits(model, ids), reference_logits(tmp_path / "ref", ids), atol=ATOL, rtol=0)
 
 
-def _rewrite(src, dst, mutate):
-    dst.mkdir()
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    tensors = load_file(src / "model.safetensors")
-    mutate(tensors)
-    save_file(tensors, dst / "model.safetensors")
-    return dst
 
 
 def test_every_layout_problem_in_one_error_naming_each_tensor(g32_asym, tmp_path):
@@ -130,7 +122,7 @@ def test_every_layout_problem_in_one_error_naming_each_tensor(g32_asym, tmp_path
         t[l1 + "self_attn.q_proj.scales"] = t[l1 + "self_attn.q_proj.scales"].int()
 
     with pytest.raises(WeightError) as info:
-        Qwen3.from_directory(_rewrite(path, tmp_path / "bad", mutate))
+        Qwen3.from_directory(rewrite_checkpoint(path, tmp_path / "bad", mutate))
     msg = str(info.value)
     assert "3 problem(s)" in msg, msg
     assert f"missing: {l0}self_attn.v_proj.g_idx (expected shape (64,) int32)" in msg
@@ -146,7 +138,7 @@ def test_an_act_order_checkpoint_is_refused_at_load_by_the_tensor(g32_asym, tmp_
         t[name] = t[name].flip(0)
 
     with pytest.raises(WeightError, match=rf"{name}: not k // group_size for every input"):
-        Qwen3.from_directory(_rewrite(path, tmp_path / "act_order", permute))
+        Qwen3.from_directory(rewrite_checkpoint(path, tmp_path / "act_order", permute))
 
 
 def _gptq(**changes):

@@ -4,19 +4,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import load_reference, make_checkpoint
+from checkpoints import load_reference, make_checkpoint, rewrite_checkpoint
 from qil_worker import Qwen3
 from qil_worker.errors import ConfigError, WeightError
 
 
-def _copy_checkpoint(src, dst, mutate):
-    """Rewrite a single-file checkpoint with ``mutate(tensors)`` applied."""
-    dst.mkdir()
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    tensors = load_file(src / "model.safetensors")
-    mutate(tensors)
-    save_file(tensors, dst / "model.safetensors")
-    return dst
 
 
 def test_loads_every_tensor(tiny_dir):
@@ -59,7 +51,7 @@ def test_reports_every_problem_at_once(tiny_dir, tmp_path):
         t["model.layers.9.extra.weight"] = torch.zeros(3)
         t["model.layers.1.self_attn.k_norm.weight"] = torch.zeros(17)
 
-    bad = _copy_checkpoint(tiny_dir, tmp_path / "bad", mutate)
+    bad = rewrite_checkpoint(tiny_dir, tmp_path / "bad", mutate)
     with pytest.raises(WeightError) as info:
         Qwen3.from_directory(bad)
     msg = str(info.value)
@@ -76,20 +68,20 @@ def test_untied_head_required_tied_head_optional(tiny_dir, tmp_path):
     def drop_head(t):
         del t["lm_head.weight"]
 
-    bad = _copy_checkpoint(untied, tmp_path / "nohead", drop_head)
+    bad = rewrite_checkpoint(untied, tmp_path / "nohead", drop_head)
     with pytest.raises(WeightError, match="missing: lm_head.weight"):
         Qwen3.from_directory(bad)
 
     def add_head(t):
         t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
 
-    tied_with_copy = _copy_checkpoint(tiny_dir, tmp_path / "tiedcopy", add_head)
+    tied_with_copy = rewrite_checkpoint(tiny_dir, tmp_path / "tiedcopy", add_head)
     assert Qwen3.from_directory(tied_with_copy).lm_head is None
 
     def add_other_head(t):  # transformers would use this head, untied
         t["lm_head.weight"] = t["model.embed_tokens.weight"] + 0.5
 
-    tied_with_other = _copy_checkpoint(tiny_dir, tmp_path / "tiedother", add_other_head)
+    tied_with_other = rewrite_checkpoint(tiny_dir, tmp_path / "tiedother", add_other_head)
     with pytest.raises(WeightError, match="lm_head.weight differs from model.embed_tokens.weight"):
         Qwen3.from_directory(tied_with_other)
 
@@ -146,7 +138,7 @@ def _strip_prefix(t):
 def test_a_base_model_layout_loads_as_the_causal_lm(tiny_dir, tmp_path):
     """Qwen3-Embedding's files hold a base Qwen3Model (no ``model.`` prefix, no LM head): with a
     tied config they are the same weights, and load as such."""
-    base = _copy_checkpoint(tiny_dir, tmp_path / "base", _strip_prefix)
+    base = rewrite_checkpoint(tiny_dir, tmp_path / "base", _strip_prefix)
     assert not any(k.startswith("model.") for k in load_file(base / "model.safetensors"))
     plain = Qwen3.from_directory(tiny_dir, dtype="float32", pack_weights=False)
     model = Qwen3.from_directory(base, dtype="float32", pack_weights=False)
@@ -163,7 +155,7 @@ def test_a_base_model_layout_of_an_untied_config_names_the_missing_head(tmp_path
         _strip_prefix(t)
 
     with pytest.raises(WeightError, match="missing: lm_head.weight"):
-        Qwen3.from_directory(_copy_checkpoint(untied, tmp_path / "base", headless))
+        Qwen3.from_directory(rewrite_checkpoint(untied, tmp_path / "base", headless))
 
 
 def test_auto_dtype_follows_the_stored_tensors_when_config_is_silent(tiny_dir, tmp_path):
@@ -171,7 +163,7 @@ def test_auto_dtype_follows_the_stored_tensors_when_config_is_silent(tiny_dir, t
         for name in t:
             t[name] = t[name].to(torch.bfloat16)
 
-    ckpt = _copy_checkpoint(tiny_dir, tmp_path / "bf16", to_bf16)
+    ckpt = rewrite_checkpoint(tiny_dir, tmp_path / "bf16", to_bf16)
     config = json.loads((ckpt / "config.json").read_text())
     config.pop("dtype", None)
     config.pop("torch_dtype", None)
