@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One prepared GPU check: correctness on CUDA (varlen attention, decode and mixed-step CUDA graphs,
-# overlapped scheduling, Qwen3-MoE), decode-step timing graphs vs eager, the 256-request workload
+# overlapped scheduling, Qwen3-MoE; tensor parallelism: NCCL at one rank, two ranks sharing the
+# GPU over gloo), decode-step timing graphs vs eager, the 256-request workload
 # with auto and packed attention, with mixed-step graphs and at Qwen3-30B-A3B's MoE shape,
 # embeddings, then the throughput benchmark beside transformers. Uses the machine's python3 with
 # torch and transformers; installs nothing except wheels carried in .whl/ (into /tmp/site, first
 # on PYTHONPATH): the GPU image's grpcio is older than the committed stubs need, so the served
 # tests want grpcio, its health and reflection packages and protobuf as wheels (see
 # docs/performance.md, GPU section).
-# Without a GPU it runs a CPU fallback so the script itself is tested.
+# Without a GPU it runs a CPU fallback so the script itself is tested (with TP 1 against TP 2 on
+# gloo at a quick size).
 #
 #   bash scripts/device_check.sh            # logs and JSON under ${OUT:-/tmp/qil-device-check}
 #
@@ -95,6 +97,10 @@ print(probe_varlen(torch.device("cuda"), torch.bfloat16, '"$page"', 16, 8, 128, 
         tests/engine/test_engine_generate.py tests/engine/test_engine_sampling.py tests/kv/test_prefix_cache.py \
         tests/engine/test_overlap.py tests/engine/runner/test_step_graphs.py tests/model/test_moe.py \
         tests/attention/test_varlen_pages.py
+    # NCCL at world size 1 (collectives, an engine through the group); TP 2 on this one GPU over
+    # gloo (NCCL refuses two ranks on one device) against TP 1's tokens
+    run "tensor parallelism on CUDA" 90 check tests_tp.log "passed|failed|error|skipped|refuses|^FAILED" \
+        env QIL_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider -s -rs tests/parallel/test_tensor_parallel_cuda.py
     run "0.6B-shaped model" 90 check model.log . "$py" -c '
 import sys; sys.path.insert(0, "scripts")
 from pathlib import Path
@@ -165,6 +171,8 @@ else
         tests/engine/runner/test_step_graphs.py tests/model/test_model_logits.py
     run "decode step (quick)" 120 bench decode_step.log "." \
         "$py" scripts/bench_decode_step.py --quick --batch 1 8 --steps 5
+    run "tensor parallelism (quick, gloo): TP 1 vs TP 2" 120 bench tp.log "^model|^TP|Error" \
+        "$py" scripts/bench_tp.py --quick --tp 1 2
     run "throughput (quick)" 300 bench throughput.log "^\[|workload|Error" \
         "$py" scripts/bench_throughput.py --quick --dtype float32 --json "$out/throughput.json"
     run "prefix-heavy (quick)" 120 bench throughput_prefix.log "^\[|prefix cache|Error" \

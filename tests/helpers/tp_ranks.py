@@ -1,5 +1,6 @@
-"""Running a job on every rank of a gloo tensor-parallel group of spawned processes, and the
-jobs the tensor-parallel tests run there (each rank loads only its shard of the checkpoint)."""
+"""Running a job on every rank of a tensor-parallel group of spawned processes (gloo on the
+CPU by default), and the jobs the tensor-parallel tests run there (each rank loads only its
+shard of the checkpoint)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 def run_ranks(job: Callable[..., Any], world_size: int, workdir: Path, *args: Any,
-              killed: tuple[int, ...] = ()) -> list[Any]:
+              killed: tuple[int, ...] = (), device: str = "cpu", backend: str | None = None) -> list[Any]:
     """``job(parallel, *args)`` on ``world_size`` spawned ranks → each rank's return value, in
     rank order (None for the ``killed`` ranks, which must have died of SIGKILL). A rank that
-    fails, or outlives ``RANK_TIMEOUT_S``, fails the call."""
+    fails, or outlives ``RANK_TIMEOUT_S``, fails the call. ``device`` and ``backend``: as
+    ``join_group`` takes them (NCCL on CUDA unless ``backend`` says otherwise)."""
     ctx = multiprocessing.get_context("spawn")
     store = workdir / "tp-store"
-    procs = [ctx.Process(target=_rank_main, args=(job, rank, world_size, str(store), str(workdir), args))
+    procs = [ctx.Process(target=_rank_main,
+                         args=(job, rank, world_size, str(store), str(workdir), args, device, backend))
              for rank in range(world_size)]
     for p in procs:
         p.start()
@@ -46,12 +49,14 @@ def run_ranks(job: Callable[..., Any], world_size: int, workdir: Path, *args: An
             for r in range(world_size)]
 
 
-def _rank_main(job, rank: int, world_size: int, store: str, workdir: str, args: tuple) -> None:
+def _rank_main(job, rank: int, world_size: int, store: str, workdir: str, args: tuple, device: str,
+               backend: str | None) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     from qil_worker.parallel.group import join_group, leave_group
 
     try:
-        parallel = join_group(rank, world_size, f"file://{store}", timeout_s=COLLECTIVE_TIMEOUT_S)
+        parallel = join_group(rank, world_size, f"file://{store}", device=device, timeout_s=COLLECTIVE_TIMEOUT_S,
+                              backend=backend)
         try:
             result = job(parallel, *args)
         finally:
@@ -68,24 +73,28 @@ SAMPLED_PROMPT = list(range(3, 13))  # 10 tokens: a partial page of 4, copied fo
 
 
 def forward_and_generate(parallel, checkpoint: str, prompts: list[list[int]], logit_prompt: list[int],
-                         fused: bool | None = None, num_pages: int = 30) -> dict[str, Any]:
-    """Rank 0: the logits of a full prefill of ``logit_prompt``, the greedy tokens of ``prompts``
-    on an engine whose pool of ``num_pages`` pages of 4 forces preemption (prefix cache on), and
-    two seeded samples of ``SAMPLED_PROMPT`` (a fork: page copies on every rank); with the
-    engine's counters. The other ranks follow it. Every rank: its weight bytes and KV heads."""
+                         fused: bool | None = None, num_pages: int = 30, device: str = "cpu") -> dict[str, Any]:
+    """Rank 0: the logits of a full prefill of ``logit_prompt`` (on the host), the greedy tokens
+    of ``prompts`` on an engine whose pool of ``num_pages`` pages of 4 forces preemption (prefix
+    cache on), and two seeded samples of ``SAMPLED_PROMPT`` (a fork: page copies on every rank);
+    with the engine's counters. The other ranks follow it. Every rank: its weight bytes and KV
+    heads. The model runs on ``device`` (float32); with ``parallel`` ``SINGLE`` this is the
+    single-device run, in the calling process."""
     from qil_worker import Engine, Qwen3
     from qil_worker.engine.config import EngineConfig
     from qil_worker.engine.probe import ForwardProbe
     from qil_worker.engine.runner.follower import follow
 
-    model = Qwen3.from_directory(checkpoint, dtype="float32", parallel=parallel, fused_projections=fused)
+    model = Qwen3.from_directory(checkpoint, device=device, dtype="float32", parallel=parallel,
+                                 fused_projections=fused)
     config = EngineConfig(num_pages=num_pages, page_size=4, prefix_cache=True)
     out: dict[str, Any] = {"weight_bytes": model.weight_summary()[1], "kv_heads": model.heads.kv_heads}
     if parallel.rank > 0:
         out["steps"] = follow(model, config)
         return out
     probe = ForwardProbe(model, num_pages=num_pages, page_size=4)
-    (out["logits"],) = probe.forward([(probe.sequence(logit_prompt), len(logit_prompt))])
+    (logits,) = probe.forward([(probe.sequence(logit_prompt), len(logit_prompt))])
+    out["logits"] = logits.cpu()
     engine = Engine(model, config)
     results = engine.generate(prompts, max_new_tokens=10)
     out["sampled"] = [r.output_token_ids for r in
@@ -180,4 +189,30 @@ def pooled_and_generate(parallel, checkpoint: str, embed_prompts: list[list[int]
     out.update(pages_used=stats.num_pages_used, pages_free=stats.num_pages_free, pages_total=stats.num_pages_total,
                running=stats.num_running, waiting=stats.num_waiting)
     engine.close()
+    return out
+
+
+def collectives(parallel, device: str) -> dict[str, Any]:
+    """Every rank: the group's backend and device, then ``ParallelState``'s two collectives on
+    ``device`` called directly (the model calls them only when sharded): the all-reduce of a
+    [4, 3] tensor of rank + 1 (in place), the column gather of a [3, 2] tensor of 0..5 + 100 *
+    rank and of its first 0 rows → the results on the host. A gather the backend refuses for
+    such tensors → its error under ``gather_refused`` (and nothing after it)."""
+    import torch.distributed as dist
+
+    x = torch.full((4, 3), float(parallel.rank + 1), device=device)
+    out: dict[str, Any] = {"backend": dist.get_backend(), "device": str(x.device)}
+    if x.device.type == "cuda":
+        out["current_device"] = torch.cuda.current_device()
+    reduced = parallel.all_reduce(x)
+    out.update(reduced=reduced.cpu(), in_place=reduced is x)
+    columns = torch.arange(6, dtype=torch.float32, device=device).view(3, 2) + 100 * parallel.rank
+    try:
+        gathered = parallel.all_gather_columns(columns)
+    except RuntimeError as exc:
+        out["gather_refused"] = str(exc)
+        return out
+    empty = parallel.all_gather_columns(columns[:0])
+    out.update(gathered=gathered.cpu(), gathered_device=str(gathered.device), empty_shape=tuple(empty.shape),
+               empty_device=str(empty.device))
     return out

@@ -127,6 +127,15 @@ def test_tp1_holds_the_whole_model_and_no_shards(dense_dirs):
     assert all(layer.reduce is None for layer in model.layers)
 
 
+def test_a_rank_on_cuda_without_an_index_takes_its_own_gpu(monkeypatch):
+    from qil_worker.parallel.group import rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [rank_device("cuda", r) for r in (0, 1, 5)] == [torch.device("cuda", i) for i in (0, 1, 1)]
+    assert rank_device("cuda:0", 3) == torch.device("cuda", 0)  # an index is kept (ranks sharing a GPU)
+    assert rank_device("cpu", 1) == torch.device("cpu")
+
+
 def test_a_killed_follower_fails_the_streams_at_once_and_the_engine_refuses_work(dense_dirs, tmp_path):
     """SIGKILL of rank 1 mid-stream: rank 0's next collective fails at once (no wait for a
     timeout), its requests end with an error naming the group, and the engine takes no more

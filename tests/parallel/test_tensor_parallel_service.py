@@ -1,8 +1,9 @@
 """``serve --tensor-parallel-size 2`` as a real server: the worker and the rank it spawns give
 the single-device engine's tokens; SIGKILL of that rank mid-stream ends the stream with an
 in-band error and the supervisor replaces the whole group (a new worker, a new rank). A headless
-embedding checkpoint is served sharded: Embed answers as transformers' pooling. Two ``serve``
-processes stand in for two nodes (``--nnodes 2``)."""
+embedding checkpoint is served sharded: Embed answers as transformers' pooling; a causal LM with
+a tokenizer answers Rerank and ``/v1/rerank`` with transformers' P(yes), in TP 1's order. Two
+``serve`` processes stand in for two nodes (``--nnodes 2``)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
 from qil_client import Client, QilError
 
-from checkpoints import make_headless_checkpoint
+from checkpoints import load_reference, make_headless_checkpoint, make_judge_checkpoint
 from service_fixtures import (
-    free_port, make_service_checkpoint, reference_outputs, serve_process, start_server, wait_until,
+    free_port, http_base_url, make_service_checkpoint, reference_outputs, serve_process, start_http_server,
+    start_server, wait_until,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,6 +134,54 @@ def test_tp2_server_embeds_with_a_headless_checkpoint_and_tells_its_ranks(headle
                     want = F.normalize(reference(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
                 assert F.cosine_similarity(torch.tensor(vector), want, dim=0).item() >= 0.99999
             wait_until(lambda: _idle(c), timeout=30)
+
+
+def test_tp2_server_reranks_with_transformers_yes_probability_in_tp1s_order(tmp_path):
+    """The yes/no tokens are the last of the vocabulary, so rank 1's block of the LM head holds
+    them: each score reads logits gathered across the ranks. The rerank prompts are longer than
+    a prefill chunk, so their first chunks run in steps with no logit row."""
+    from transformers import AutoTokenizer
+
+    from qil_worker import Engine, Qwen3
+    from qil_worker.text.rerank_prompt import rerank_prompt
+
+    judge = make_judge_checkpoint(tmp_path / "judge")
+    ref, tok = load_reference(judge), AutoTokenizer.from_pretrained(judge)
+    yes, no = tok.convert_tokens_to_ids(["yes", "no"])
+    assert rank_of(yes, len(tok)) == rank_of(no, len(tok)) == 1
+    query, docs = "where do cats sleep", ["on the mat", "in the box", "the dog barks", "cats sleep all day"]
+    prompts = [tok(rerank_prompt(query, d), add_special_tokens=False)["input_ids"] for d in docs]
+    assert min(map(len, prompts)) > ENGINE["prefill_chunk"]
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids])).logits[0, -1]
+        expected.append(torch.softmax(logits[[no, yes]], dim=-1)[1].item())
+    tp1 = Engine(Qwen3.from_directory(judge, dtype="float32"), **ENGINE)
+    tp1_scores = tp1.score(prompts, yes, no)
+    tp1_order = sorted(range(len(docs)), key=lambda i: -tp1_scores[i])
+    tp1.close()
+    assert tp1_order == sorted(range(len(docs)), key=lambda i: -expected[i])
+    with start_http_server(judge, engine=ENGINE, tensor_parallel_size=2) as srv:
+        with Client(srv.target, timeout=120) as c:
+            assert c.info().model.tensor_parallel_size == 2
+            ranked = c.rerank(query, docs)
+            assert [r.index for r in ranked] == tp1_order
+            for r in ranked:
+                assert r.relevance_score == pytest.approx(expected[r.index], abs=1e-5)
+            reply = httpx.post(f"{http_base_url(srv)}/rerank", timeout=120, json={"query": query, "documents": docs})
+            assert reply.status_code == 200, reply.text
+            results = reply.json()["results"]
+            assert [r["index"] for r in results] == tp1_order
+            assert [r["relevance_score"] for r in results] == [pytest.approx(expected[i], abs=1e-5) for i in tp1_order]
+            wait_until(lambda: _idle(c), timeout=30)
+
+
+def rank_of(token: int, vocab: int, world_size: int = 2) -> int:
+    """The rank whose block of the vocabulary holds ``token``."""
+    from qil_worker.parallel.shards import vocab_block
+
+    return token // vocab_block(vocab, world_size)
 
 
 def _idle(c: Client) -> bool:
