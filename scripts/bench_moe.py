@@ -115,7 +115,8 @@ def load_qil(args, model_dir: Path) -> System:
     from qil_worker import Engine, Qwen3
 
     t = time.perf_counter()
-    model = Qwen3.from_directory(model_dir, device="cpu", dtype=torch.bfloat16, quantize=args.quantize)
+    model = Qwen3.from_directory(model_dir, device="cpu", dtype=torch.bfloat16, quantize=args.quantize,
+                                 compile=not args.no_compile)
     print(f"bench: qil loaded in {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
     info = {"architecture": model.config.describe(), "weights": model.weight_summary()[0]}
     pages = args.batch * -(-(args.prompt_len + args.new_tokens) // args.page_size) + 8
@@ -192,12 +193,15 @@ def bench_paths(args) -> list[dict]:
     """One sparse MoE block of the benchmark's shape (random weights, no checkpoint) through
     each expert wiring qil has: the per-expert loop over the stacked weight ("plain"), over
     per-expert oneDNN-packed weights ("packed", the CPU default), ``torch._grouped_mm`` over the
-    stacked weight ("grouped", the CUDA path) and int8 experts; ms per block call, best of
+    stacked weight ("grouped", the CUDA path), int8 experts through the loop ("int8") and, at up
+    to ``routed_experts.MAX_TOKENS`` tokens, as one compiled call ("int8 routed"; the CPU
+    default for int8 experts, where it compiles); ms per block call, best of
     interleaved rounds, each call on fresh activations (so other experts, as in a real step)."""
     from qil_worker.config import Qwen3Config
     from qil_worker.model.int8_experts import Int8ExpertLinear
     from qil_worker.model.int8_linear import choose_kernels
     from qil_worker.model.moe import SparseMoeBlock
+    from qil_worker.model.routed_experts import MAX_TOKENS, compiled_int8_experts
 
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     config = Qwen3Config(
@@ -212,7 +216,7 @@ def bench_paths(args) -> list[dict]:
         dtype = getattr(torch, dtype_name)
         generator = torch.Generator().manual_seed(0)
         blocks = {}
-        for name in ("plain", "packed", "grouped", "int8"):
+        for name in ("plain", "packed", "grouped", "int8", "int8 routed"):
             block = SparseMoeBlock(config, dtype, cpu, grouped=name == "grouped")
             if not blocks:
                 for param in (block.gate.weight, block.gate_up.weight, block.down.weight):
@@ -222,13 +226,16 @@ def bench_paths(args) -> list[dict]:
                 block.load_state_dict(first.state_dict())
             if name == "packed":
                 block.pack_weights()
-            elif name == "int8":
+            elif name.startswith("int8"):
                 block.gate_up, block.down = (Int8ExpertLinear.from_experts(block.gate_up),
                                              Int8ExpertLinear.from_experts(block.down))
                 with torch.inference_mode():
                     choose_kernels([block.gate_up.probe(), block.down.probe()])
                 for stack in (block.gate_up, block.down):
                     stack.use_kernels(stack.probe().kernels)
+                if name == "int8 routed":
+                    block.use_routed(compiled_int8_experts(config.hidden_size, config.moe_intermediate_size,
+                                                           config.num_experts, config.num_experts_per_tok, dtype))
             blocks[name] = block
         for tokens in PATH_TOKENS:
             inputs = [torch.randn(tokens, config.hidden_size, generator=generator).to(dtype) for _ in range(4)]
@@ -242,6 +249,8 @@ def bench_paths(args) -> list[dict]:
                         t = time.perf_counter()
                         block(x)
                         best[name] = min(best[name], time.perf_counter() - t)
+            if tokens > MAX_TOKENS:  # the routed block runs its loop there: the int8 column again
+                best["int8 routed"] = float("nan")
             rows.append({"dtype": dtype_name, "tokens": tokens, **{k: v * 1e3 for k, v in best.items()}})
             print(f"bench: paths {dtype_name} {tokens} tokens done", file=sys.stderr, flush=True)
         del blocks
@@ -250,12 +259,12 @@ def bench_paths(args) -> list[dict]:
     print(f"one MoE block ({config.num_experts} experts, top-{config.num_experts_per_tok}, hidden "
           f"{config.hidden_size}, expert width {config.moe_intermediate_size}), ms per call, "
           f"{torch.get_num_threads()} threads")
-    header = f"{'dtype':9s} {'tokens':>6s} {'plain':>8s} {'packed':>8s} {'grouped':>8s} {'int8':>8s}"
+    names = ("plain", "packed", "grouped", "int8", "int8 routed")
+    header = f"{'dtype':9s} {'tokens':>6s} " + " ".join(f"{name:>11s}" for name in names)
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['dtype']:9s} {row['tokens']:6d} {row['plain']:8.2f} {row['packed']:8.2f} "
-              f"{row['grouped']:8.2f} {row['int8']:8.2f}")
+        print(f"{row['dtype']:9s} {row['tokens']:6d} " + " ".join(f"{row[name]:11.2f}" for name in names))
     return rows
 
 
@@ -296,6 +305,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="qil's weights: int8 = quantized at load (transformers stays bfloat16)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="qil: keep int8 experts' decode steps on the per-expert loop (Qwen3.from_directory(compile=False))")
     p.add_argument("--hf-experts", default=None,
                    help="transformers' experts_implementation (default: its own choice, e.g. grouped_mm)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default %(default)s)")
@@ -350,7 +361,8 @@ def main(argv=None) -> int:
                   "batch_output": q["batch_output_tok_s"] / h["batch_output_tok_s"]}
         meta = {"model_dir": str(model_dir), "shape": shape, "prompt_len": args.prompt_len,
                 "new_tokens": args.new_tokens, "batch": args.batch, "threads": torch.get_num_threads(),
-                "warmup": args.warmup, "repeat": args.repeat, "quantize": args.quantize, "torch": torch.__version__}
+                "warmup": args.warmup, "repeat": args.repeat, "quantize": args.quantize,
+                "compile": not args.no_compile, "torch": torch.__version__}
         strip = ("tokens_single", "tokens_batch")
         result = {"qil": {k: v for k, v in q.items() if k not in strip},
                   "transformers": {k: v for k, v in h.items() if k not in strip}, "ratios": ratios,

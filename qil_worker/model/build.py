@@ -41,6 +41,7 @@ def build_model(
     quantize: str | None = None,
     parallel: ParallelState = SINGLE,
     embedding: bool = False,
+    compile: bool = True,
 ) -> nn.Module:
     """Load a Hugging Face Qwen3 or Qwen3-MoE directory strictly (see ``loader.load_weights``)
     into a new ``model_class`` (``Qwen3``).
@@ -60,7 +61,9 @@ def build_model(
     refused (``ConfigError`` naming the fields and the sizes that work) unless its shapes split
     over ``parallel.world_size``, and the rank loads only its slices of the weights. ``embedding``: the caller serves it as an embedding model, so a
     headless checkpoint (``embedding_checkpoint.detect``) loads without an LM head; otherwise
-    a missing head is an error like any missing tensor.
+    a missing head is an error like any missing tensor. ``compile``: on CPU, compile the kernels
+    that measure faster compiled (``Qwen3.compile_cpu_kernels``: int8 experts' decode steps),
+    falling back to eager with one log line where compiling fails.
     """
     from qil_worker.model import fp8_linear
     from qil_worker.model.embedding_checkpoint import has_lm_head
@@ -102,6 +105,8 @@ def build_model(
         model.quantize_weights(quantize)
     if pack_weights:
         model.pack_weights()
+    if compile:
+        model.compile_cpu_kernels()
     if is_fp8:
         log.info("%s", fp8_linear.describe(model, summary))
     elif int4:

@@ -19,7 +19,9 @@ from torch import nn
 
 from qil_worker.config import Qwen3Config
 from qil_worker.model.expert_linear import ExpertGroups, ExpertLinear, grouped_mm_supported
+from qil_worker.model.int8_experts import Int8ExpertLinear
 from qil_worker.model.linear import Linear, pack_all
+from qil_worker.model.routed_experts import MAX_TOKENS, RoutedExperts
 from qil_worker.parallel.shards import Shard
 
 
@@ -62,10 +64,15 @@ class SparseMoeBlock(nn.Module):
         self.gate_up = ExpertLinear(c.num_experts, 2 * self.intermediate, c.hidden_size, dtype, device, grouped)
         self.down = ExpertLinear(c.num_experts, c.hidden_size, self.intermediate, dtype, device, grouped)
         self.register_buffer("expert_ids", torch.arange(c.num_experts, device=device), persistent=False)
+        # int8 experts' few-token steps as one compiled call (``use_routed``), else None
+        self.routed: RoutedExperts | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
         weights, ids = self.gate.route(x)
+        if self.routed is not None and 0 < tokens <= MAX_TOKENS:
+            return self.routed(x, ids, weights, self.gate_up.weight, self.gate_up.scales,
+                               self.down.weight, self.down.scales)
         # every (token, slot) pair, sorted by expert; stable: tokens ascending within an expert
         sorted_ids, order = ids.view(-1).sort(stable=True)
         rows = x.index_select(0, order.div(self.top_k, rounding_mode="floor"))
@@ -93,6 +100,18 @@ class SparseMoeBlock(nn.Module):
                 bounds.append((e, start, stop))
                 start = stop
         return ExpertGroups(ends, bounds)
+
+    @property
+    def int8_experts(self) -> bool:
+        """Whether both projections' experts are int8 codes (``--quantize int8``)."""
+        return isinstance(self.gate_up, Int8ExpertLinear) and isinstance(self.down, Int8ExpertLinear)
+
+    def use_routed(self, routed: RoutedExperts | None) -> None:
+        """Run steps of up to ``routed_experts.MAX_TOKENS`` tokens through ``routed`` (the
+        compiled ``routed_int8_experts``; int8 experts only); None: the loop for every step."""
+        if routed is not None and not self.int8_experts:
+            raise ValueError("the compiled routed experts read int8 codes: quantize the experts to int8 first")
+        self.routed = routed
 
     @property
     def capturable(self) -> bool:

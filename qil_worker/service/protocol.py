@@ -89,6 +89,7 @@ class WorkerConfig:
     dtype: str | None = None
     threads: int | None = None
     quantize: str | None = None
+    compile: bool = True  # compile the CPU kernels that measure faster compiled (``Qwen3.from_directory``)
     # what the server is for (``qil_worker.task``): auto, generate, embed or rerank
     task: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)

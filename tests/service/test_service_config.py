@@ -68,6 +68,8 @@ def test_prefix_cache_and_tokenizer_flags():
     assert cfg.front.worker.tokenizer == "/tok" and cfg.front.worker.use_tokenizer
     cfg = config_from_args(_parse(["--no-tokenizer"]))
     assert not cfg.front.worker.use_tokenizer
+    assert cfg.front.worker.compile is True  # CPU kernels that measure faster compiled: on by default
+    assert config_from_args(_parse(["--no-compile"])).front.worker.compile is False
     with pytest.raises(SystemExit):
         _parse(["--no-tokenizer", "--tokenizer", "/tok"])
 

@@ -92,7 +92,8 @@ def follower_main(config: Any, model_dir: str, rank: int, world_size: int, init_
         torch.set_num_threads(config.threads)
     parallel = join_group(rank, world_size, init_method, device=config.device)
     model = Qwen3.from_directory(model_dir, device=config.device, dtype=config.dtype,
-                                 quantize=config.quantize, parallel=parallel, embedding=embedding)
+                                 quantize=config.quantize, parallel=parallel, embedding=embedding,
+                                 compile=config.compile)
     weight_bytes = model.weight_summary()[1]
     gather_ints(parallel, weight_bytes)  # rank 0 reports every rank's weights (``startup.load``)
     pool = agreed_pool(model, config, parallel)  # as rank 0 does, after the same exchange

@@ -52,7 +52,7 @@ def load(config: P.WorkerConfig) -> tuple[Any, P.WorkerInfo]:
     parallel = _tensor_parallel(config, model_dir, embedding)
     model = Qwen3.from_directory(
         model_dir, device=config.device, dtype=config.dtype, quantize=config.quantize, parallel=parallel,
-        embedding=embedding,
+        embedding=embedding, compile=config.compile,
     )
     weight_format, weight_bytes = model.weight_summary()
     rank_bytes = gather_ints(parallel, weight_bytes)  # the followers send theirs after loading
