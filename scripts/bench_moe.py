@@ -306,7 +306,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="qil's weights: int8 = quantized at load (transformers stays bfloat16)")
     p.add_argument("--no-compile", action="store_true",
-                   help="qil: keep int8 experts' decode steps on the per-expert loop (Qwen3.from_directory(compile=False))")
+                   help="qil: keep int8 experts' decode steps on the per-expert loop "
+                   "(Qwen3.from_directory(compile=False))")
     p.add_argument("--hf-experts", default=None,
                    help="transformers' experts_implementation (default: its own choice, e.g. grouped_mm)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default %(default)s)")

@@ -324,7 +324,8 @@ class Qwen3(nn.Module):
         (``routed_experts.py``); → how many MoE blocks use it (0 where none applies or compiling
         failed, which leaves every block on its loop). One explicit step after quantizing
         (``from_directory(compile=True)`` takes it)."""
-        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.int8_experts]
+        blocks = [layer.mlp for layer in self.layers
+                  if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.int8_experts]
         if not blocks or self.device.type != "cpu":
             return 0
         stack = blocks[0].gate_up

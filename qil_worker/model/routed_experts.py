@@ -7,7 +7,7 @@ SiLU·mul, down projection and the weighted sum over the k slots are one graph w
 the chosen experts' int8 codes through the routing ids (what llama.cpp's ``mul_mat_id`` does):
 no host sync, no copy of the weights, one parallel region per projection. The work grows with
 the pairs (an expert's codes are read once per pair, not once per expert), so the loop, whose
-matmuls reuse an expert's codes across its rows, stays faster from ``MAX_TOKENS`` up.
+matmuls reuse an expert's codes across its rows, stays faster above ``MAX_TOKENS``.
 
 Only int8 experts: bf16 and float32 experts are packed for oneDNN, an opaque layout a compiled
 loop cannot read, and a plain copy beside it would double the experts' memory. CUDA keeps
