@@ -65,6 +65,9 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
                    "group-wise 4-bit (groups of 128 / 32 inputs); none: as loaded")
     p.add_argument("--no-compile", action="store_true",
                    help="do not compile the CPU kernels that measure faster compiled (int8 MoE experts)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="CPU: decode a lone request through the model's compiled forward (compiling "
+                   "first takes minutes for a real model)")
     p.add_argument("--num-pages", type=positive_int, default=512, help="KV cache pages")
     p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead")
@@ -98,7 +101,8 @@ def run_generate(args: argparse.Namespace) -> int:
             tokenizer = load_tokenizer(tokenizer_dir)
         model = Qwen3.from_directory(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
                                      compile=not args.no_compile)
-        engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, tokenizer=tokenizer)
+        engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, tokenizer=tokenizer,
+                        compile_decode=args.compile_decode)
         prompt: dict[str, object]
         if args.token_ids is not None:
             prompt = {"token_ids": parse_token_list(args.token_ids, "--token-ids")}

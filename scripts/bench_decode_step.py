@@ -20,6 +20,8 @@ the speed-up.
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 8 16 --quantize int8
     python scripts/bench_decode_step.py --batch 1 8 --pack-hint 1 8
     python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 --in-place
+    python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 --compile-decode --rounds 5
+    python scripts/bench_decode_step.py --dtype bfloat16 --batch 1 --compile-decode --quantize int8 --rounds 5
     python scripts/bench_decode_step.py --device cuda --batch 256 --prompt-len 100 2000 --profile 3
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,7 +45,7 @@ def prompt_lengths(batch: int, spec: list[int]) -> list[int]:
 
 
 def prefilled_engine(model, batch: int, prompt_len: list[int], steps: int, cuda_graphs: bool | None,
-                     page_size: int, attention: str = "auto"):
+                     page_size: int, attention: str = "auto", compile_decode: bool = False):
     """An engine whose ``batch`` requests are all prefilled and decoding, with room for ``steps``
     more decode steps (and the warm-up ones)."""
     from qil_worker import Engine
@@ -54,7 +57,7 @@ def prefilled_engine(model, batch: int, prompt_len: list[int], steps: int, cuda_
     pages = sum(-(-(n + new_tokens) // page_size) for n in lengths) + 8
     engine = Engine(model, num_pages=pages, page_size=page_size, token_budget=budget,
                     prefill_chunk=max(lengths), max_active=batch, cuda_graphs=cuda_graphs,
-                    prefix_cache=False, attention=attention)
+                    prefix_cache=False, attention=attention, compile_decode=compile_decode)
     vocab = model.config.vocab_size
     for b, n in enumerate(lengths):
         engine.submit([(b * 131 + i * 7) % vocab for i in range(n)],
@@ -68,9 +71,9 @@ def prefilled_engine(model, batch: int, prompt_len: list[int], steps: int, cuda_
 
 
 def time_steps(model, batch: int, prompt_len: list[int], steps: int, cuda_graphs: bool | None, page_size: int,
-               attention: str = "auto") -> float:
+               attention: str = "auto", compile_decode: bool = False) -> float:
     """Mean seconds per decode step of ``batch`` requests."""
-    engine = prefilled_engine(model, batch, prompt_len, steps, cuda_graphs, page_size, attention)
+    engine = prefilled_engine(model, batch, prompt_len, steps, cuda_graphs, page_size, attention, compile_decode)
     t0 = time.perf_counter()
     for _ in range(steps):
         events = engine.step()
@@ -137,6 +140,11 @@ def main(argv=None) -> int:
                    help="CPU: compare weights packed for oneDNN with batch hint A against hint B")
     p.add_argument("--in-place", action="store_true",
                    help="CPU: compare a lone decode row's keys gathered with attended in place")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="CPU: compare eager decode steps with the model's compiled decode forward "
+                   "(engine compile_decode; batch 1 is the step it covers)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the pair this many times, alternating which goes first; the median speed-up")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--page-size", type=int, default=16)
@@ -159,7 +167,16 @@ def main(argv=None) -> int:
     default = Path.home() / ".cache" / "qil" / ("bench-quick" if args.quick else "bench-qwen3-0.6b-shape")
     model_dir = ensure_model(args.model_dir or default, shape)
     model = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype)
-    if args.quantize:
+    if args.compile_decode:  # (with --quantize: both arms quantized)
+        names = ("eager", "compiled")
+        if args.quantize:
+            model = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype, quantize=args.quantize)
+        started = time.perf_counter()
+        if model.compiled_decode() is None:
+            raise SystemExit("the decode step did not compile (see the log)")
+        print(f"decode step compiled in {time.perf_counter() - started:.1f} s")
+        reference, fast = (model, False, "auto", False), (model, False, "auto", True)
+    elif args.quantize:
         names = ("as-loaded", args.quantize)
         quantized = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype, quantize=args.quantize)
         reference, fast = (model, None, "auto"), (quantized, None, "auto")
@@ -190,12 +207,24 @@ def main(argv=None) -> int:
     print(f"{'batch':>6}{names[0] + ' ms':>10}{names[1] + ' ms':>10}{names[0] + ' tok/s':>13}"
           f"{names[1] + ' tok/s':>13}{'speed-up':>10}")
     for batch in args.batch:
-        with keys_gathered(args.in_place):
-            slow = time_steps(reference[0], batch, args.prompt_len, args.steps, reference[1], args.page_size,
-                              reference[2])
-        quick = time_steps(fast[0], batch, args.prompt_len, args.steps, fast[1], args.page_size, fast[2])
-        print(f"{batch:>6}{1000 * slow:>10.2f}{1000 * quick:>10.2f}{batch / slow:>13.0f}{batch / quick:>13.0f}"
-              f"{slow / quick:>9.2f}x", flush=True)
+        ratios = []
+        for round_ in range(args.rounds):
+            def timed(arm):
+                model_, graphs, attention = arm[:3]
+                with keys_gathered(args.in_place and arm is reference):
+                    return time_steps(model_, batch, args.prompt_len, args.steps, graphs, args.page_size,
+                                      attention, compile_decode=len(arm) > 3 and arm[3])
+
+            if round_ % 2 == 0:
+                slow, quick = timed(reference), timed(fast)
+            else:
+                quick, slow = timed(fast), timed(reference)
+            ratios.append(slow / quick)
+            print(f"{batch:>6}{1000 * slow:>10.2f}{1000 * quick:>10.2f}{batch / slow:>13.0f}{batch / quick:>13.0f}"
+                  f"{slow / quick:>9.2f}x", flush=True)
+        if args.rounds > 1:
+            print(f"{batch:>6} median speed-up of {args.rounds} rounds: {statistics.median(ratios):.3f}x "
+                  f"({min(ratios):.3f}-{max(ratios):.3f})", flush=True)
     if args.profile:
         profile_steps(fast[0], max(args.batch), args.prompt_len, args.profile, args.page_size, fast[2])
     return 0

@@ -38,6 +38,7 @@ int8 (an f32 copy of its 5 GB would not fit beside qil's on a 24 GB machine) and
 are issue 30's: batch 8 at least llama.cpp's, batch 1 reported.
 
     python scripts/bench_llamacpp.py                          # build/convert once, 3 rounds
+    python scripts/bench_llamacpp.py --dtypes bf16 int8 --compile-decode   # qil b=1 compiled
     python scripts/bench_llamacpp.py --rounds 1 --new-tokens 16 --dtypes bf16   # quick look
     python scripts/bench_llamacpp.py --model moe              # Qwen3-MoE: bf16 and int8
     python scripts/bench_llamacpp.py --dtypes int4 int4-km    # qil int4 vs q4_0 and Q4_K_M
@@ -407,7 +408,8 @@ def qil_engine(model, args):
     # all rows' prompts in one step, so every decode step carries the whole batch; the prefix
     # cache off: prompts differ anyway, and llama.cpp's tools never reuse a prefix either
     return Engine(model, num_pages=pages, page_size=args.page_size, token_budget=rows * args.prompt_len,
-                  prefill_chunk=args.prompt_len, max_active=rows, prefix_cache=False)
+                  prefill_chunk=args.prompt_len, max_active=rows, prefix_cache=False,
+                  compile_decode=args.compile_decode)
 
 
 def qil_prefill(engine, prompt: list[int]) -> float:
@@ -559,6 +561,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-reps", type=int, default=1,
                    help="llama-bench -r: its repetitions per round, averaged (default %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="qil KV page size (default %(default)s)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="qil's batch-1 decode steps through the model's compiled forward (Engine compile_decode)")
     p.add_argument("--seed", type=int, default=0, help="prompt tokens (default %(default)s)")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="the random checkpoint, made once by bench_engine.ensure_model (bench_moe's "

@@ -26,7 +26,10 @@ class EngineConfig:
     eagerly, see docs/performance.md). ``overlap``: schedule and stage each step while the previous one runs on
     the device (default: on for CUDA; ``engine.in_flight``). ``debug``: check every KV read.
     ``retained_results``: finished requests whose ``result()`` stays known (0: none, as a server
-    that reads results from the events wants).
+    that reads results from the events wants). ``compile_decode`` (CPU): run a lone request's
+    decode steps through the model's decode forward compiled by inductor's C++ backend
+    (``model.compiled_decode``; compiled on first use, once per model, which takes minutes for a
+    real model on a few cores and is not cached on disk: opt-in, see docs/performance.md).
     """
 
     num_pages: int = 512
@@ -42,6 +45,7 @@ class EngineConfig:
     overlap: bool | None = None
     debug: bool = False
     retained_results: int = RETAINED_RESULTS
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "token_budget", "prefill_chunk", "max_active"):

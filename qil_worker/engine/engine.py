@@ -111,7 +111,7 @@ class Engine:
         """``config``: how the engine runs (``EngineConfig``), or its fields as keywords
         (``num_pages=512, page_size=16, token_budget=512, prefill_chunk=512, max_active=64``,
         ``prefix_cache``, ``schedule_policy``, ``cuda_graphs``, ``step_graphs``, ``overlap``,
-        ``debug``, ``retained_results``). ``attention``: a backend's name (``EngineConfig.attention``)
+        ``debug``, ``retained_results``, ``compile_decode``). ``attention``: a backend's name (``EngineConfig.attention``)
         or a backend object (``attention.backend``). ``tokenizer``: optional; text prompts, text
         deltas and stop strings need it. With ``overlap`` the tokens and events are the same as
         without; a step's events come with the next ``step()``."""

@@ -153,7 +153,9 @@ class Int8Linear(nn.Module):
     def _int8pack(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_contiguous():
             x = x.contiguous()
-        if x.data_ptr() % _ALIGN:  # the kernel's aligned vector loads would fault
+        # the kernel's aligned vector loads would fault; a compiled graph's buffers are aligned
+        # (and it cannot read a pointer while it traces)
+        if not torch.compiler.is_compiling() and x.data_ptr() % _ALIGN:
             x = x.clone()
         return torch._weight_int8pack_mm(x, self.weight, self.scales)
 

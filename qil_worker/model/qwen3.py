@@ -22,6 +22,7 @@ from qil_worker.attention.backend import StepAttention
 from qil_worker.config import Qwen3Config
 from qil_worker.kv.cache import KVCache
 from qil_worker.model.build import build_model
+from qil_worker.model.compiled_decode import DecodeStep, compile_decode_step
 from qil_worker.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rope
 from qil_worker.model.linear import Linear, pack_all
 from qil_worker.model.moe import SparseMoeBlock
@@ -334,6 +335,14 @@ class Qwen3(nn.Module):
         for block in blocks:
             block.use_routed(routed)
         return len(blocks) if routed is not None else 0
+
+    def compiled_decode(self) -> DecodeStep | None:
+        """The in-place decode forward of one row compiled by inductor (``compiled_decode.py``),
+        compiled on the first call and kept for every engine of this model; None where it cannot
+        be (not on the CPU, MoE, tensor-parallel, or compiling failed: logged once)."""
+        if not hasattr(self, "_compiled_decode"):
+            self._compiled_decode = compile_decode_step(self)
+        return self._compiled_decode
 
     def weight_summary(self) -> tuple[str, int]:
         """(the formats the weights run in, the bytes every weight holds: projections with their

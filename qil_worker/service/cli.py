@@ -80,6 +80,10 @@ def _add_model_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--no-compile", action="store_true",
                    help="run every kernel eagerly: do not compile, at load, the CPU kernels that measure "
                    "faster compiled (int8 experts' decode steps of a Qwen3-MoE; needs a C++ compiler)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="CPU: run a lone request's decode steps through the model's forward compiled by "
+                   "inductor (faster per token, see docs/performance.md; compiled before the server is "
+                   "ready, which takes minutes for a real model on a few cores; needs a C++ compiler)")
     p.add_argument(
         "--task", choices=TASKS, default="auto",
         help="what the server is for: auto = embed for an embedding checkpoint (no LM head, or a "
@@ -266,6 +270,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graphs=False if args.no_cuda_graphs else None,
         step_graphs=args.step_graphs,
         overlap=False if args.no_overlap else None,
+        compile_decode=args.compile_decode,
     )
 
 

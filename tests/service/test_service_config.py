@@ -65,6 +65,8 @@ def test_prefix_cache_and_tokenizer_flags():
     assert config_from_args(_parse(["--no-step-graphs"])).front.worker.engine.step_graphs is False
     assert config_from_args(_parse(["--step-graphs"])).front.worker.engine.step_graphs is True
     assert config_from_args(_parse([])).front.worker.engine.step_graphs is None
+    assert engine.compile_decode is False  # opt-in: compiling takes minutes for a real model
+    assert config_from_args(_parse(["--compile-decode"])).front.worker.engine.compile_decode is True
     assert cfg.front.worker.tokenizer == "/tok" and cfg.front.worker.use_tokenizer
     cfg = config_from_args(_parse(["--no-tokenizer"]))
     assert not cfg.front.worker.use_tokenizer

@@ -3,8 +3,9 @@
 It owns what the forward needs — the model, the KV tensors, the attention backend, the CUDA
 graph runners with their static buffers — and the sampler's device pipeline; the engine keeps
 the requests, the scheduler, the page pool's bookkeeping and the events. Each step takes one of
-three paths, chosen here: a decode-only step replays a decode graph (``DecodeGraphs``), another
-step with a graph bucket replays a mixed-step graph (``StepGraphs``), the rest run eagerly over
+four paths, chosen here: a decode-only step replays a decode graph (``DecodeGraphs``), another
+step with a graph bucket replays a mixed-step graph (``StepGraphs``), on CPU a lone decode row
+may run the model's compiled forward (``CompiledDecode``), the rest run eagerly over
 ``build_step_inputs``. The runner is what a tensor-parallel rank will run: the step's inputs
 (``StepInputs``) are plain tensors and typed records.
 """
@@ -22,6 +23,7 @@ from qil_worker.engine import prompt_logprobs, samples
 from qil_worker.engine.config import EngineConfig
 from qil_worker.engine.request import Request
 from qil_worker.engine.runner.batch import StepInputs, build_step_inputs
+from qil_worker.engine.runner.compiled_decode import CompiledDecode
 from qil_worker.engine.runner.decode_graphs import DecodeGraphs
 from qil_worker.engine.runner.graph_capture import GraphCapture
 from qil_worker.engine.runner.pooling import PooledAnswers, pooled_answers
@@ -103,6 +105,15 @@ class ModelRunner:
         self.sampler.grammar_masks.overlap = model.device.type == "cuda"
         self.graph_capture = GraphCapture(model.device) if scratch > 0 else None
         self.decode_graphs, self.step_graphs = self._graph_runners(config)
+        self.compiled_decode = self._compiled_decode(config)
+
+    def _compiled_decode(self, config: EngineConfig) -> CompiledDecode | None:
+        """Lone decode rows through the model's compiled forward, where asked for and it
+        compiles (CPU, one rank; never with debug checks, which read inside the forward)."""
+        if not config.compile_decode or config.debug or self.sender is not None:
+            return None
+        step = self.model.compiled_decode()
+        return CompiledDecode(step, self.kv) if step is not None else None
 
     def _graph_runners(self, config: EngineConfig) -> tuple[DecodeGraphs | None, StepGraphs | None]:
         """The decode graphs and the mixed-step graphs, where ``graph_capture`` exists (CUDA
@@ -151,6 +162,12 @@ class ModelRunner:
             requests = [c.request for c in chunks if c.samples]  # the logits' rows
             self.sampler.prepare(requests, vocab)
             logits = self.step_graphs.run(chunks, bucket, in_flight_tokens)
+        # (the compiled call runs in the condition: one that fails falls through to the eager step)
+        elif (self.compiled_decode is not None and self.compiled_decode.handles(chunks)
+              and (logits := self.compiled_decode.run(chunks, in_flight_tokens)) is not None):
+            computed = chunks
+            requests = [chunks[0].request]
+            self.sampler.prepare(requests, vocab)
         else:
             inputs = build_step_inputs(
                 chunks, self.attention, self.page_size, self.model.heads.query_groups, self.model.device,
