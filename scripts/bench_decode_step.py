@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -106,6 +107,15 @@ def profile_steps(model, batch: int, prompt_len: list[int], steps: int, page_siz
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 @contextlib.contextmanager
 def keys_gathered(enabled: bool):
     """While ``enabled``: CPU attention gathers every decode row's keys, never attending a lone
@@ -171,10 +181,11 @@ def main(argv=None) -> int:
         names = ("eager", "compiled")
         if args.quantize:
             model = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype, quantize=args.quantize)
-        started = time.perf_counter()
+        started, rss = time.perf_counter(), resident_bytes()
         if model.compiled_decode() is None:
             raise SystemExit("the decode step did not compile (see the log)")
-        print(f"decode step compiled in {time.perf_counter() - started:.1f} s")
+        print(f"decode step compiled in {time.perf_counter() - started:.1f} s; resident memory "
+              f"{rss / 2**30:.2f} -> {resident_bytes() / 2**30:.2f} GiB")
         reference, fast = (model, False, "auto", False), (model, False, "auto", True)
     elif args.quantize:
         names = ("as-loaded", args.quantize)
@@ -213,7 +224,7 @@ def main(argv=None) -> int:
                 model_, graphs, attention = arm[:3]
                 with keys_gathered(args.in_place and arm is reference):
                     return time_steps(model_, batch, args.prompt_len, args.steps, graphs, args.page_size,
-                                      attention, compile_decode=len(arm) > 3 and arm[3])
+                                      attention, len(arm) > 3 and arm[3])
 
             if round_ % 2 == 0:
                 slow, quick = timed(reference), timed(fast)

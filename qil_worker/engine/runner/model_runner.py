@@ -221,8 +221,8 @@ class ModelRunner:
         self.kv.copy_pages(sources, targets)
 
     def close(self) -> None:
-        """Drop the graphs (they hold the KV tensors' addresses) and the KV tensors; release
-        the tensor-parallel followers."""
+        """Drop the graphs (they hold the KV tensors' addresses), the compiled decode's KV views
+        and the KV tensors; release the tensor-parallel followers."""
         sender, self.sender = self.sender, None
         if sender is not None:
             try:
@@ -230,4 +230,5 @@ class ModelRunner:
             except RankFailedError:  # the group is gone already: no follower is left to stop
                 log.warning("tensor-parallel followers not stopped: the group has failed")
         self.decode_graphs = self.step_graphs = None
+        self.compiled_decode = None  # (it holds views of the KV tensors)
         self.kv.k = self.kv.v = torch.empty(0)

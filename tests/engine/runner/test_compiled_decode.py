@@ -57,34 +57,37 @@ def test_bfloat16_compiled_logits_stay_within_the_probes_bound(tiny_dir):
         assert (got - want).abs().max().item() <= PROBE_TOLERANCE[torch.bfloat16] * want.abs().max().item()
 
 
-def _greedy(model, prompts, compile_decode: bool, **options) -> tuple[list[list[int]], int, Engine]:
-    """Greedy tokens of ``prompts`` (12 each) → tokens, preemptions, the closed engine (pages
-    checked free)."""
+def _greedy(model, prompts, compile_decode: bool, **options) -> tuple[list[list[int]], int, int]:
+    """Greedy tokens of ``prompts`` (12 each) → tokens, preemptions, steps run compiled (pages
+    checked free, the engine closed)."""
     config = dict(num_pages=24, page_size=4, token_budget=32, prefill_chunk=16, max_active=4)
     engine = Engine(model, **{**config, **options}, compile_decode=compile_decode)
     ids = [engine.submit(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
     run_to_completion(engine)
     results = [engine.result(i) for i in ids]
     assert_pool_free(engine)
+    compiled = engine.runner.compiled_decode
+    steps = compiled.steps if compiled is not None else 0
     engine.close()
-    return [r.output_token_ids for r in results], sum(r.num_preemptions for r in results), engine
+    assert engine.runner.compiled_decode is None  # its views of the KV tensors dropped too
+    return [r.output_token_ids for r in results], sum(r.num_preemptions for r in results), steps
 
 
 @pytest.mark.parametrize("lengths, pool", [([10, 23, 5, 31, 17, 2], {}), ([10, 23], dict(num_pages=12, max_active=2))])
 def test_an_engine_gives_the_eager_tokens_under_chunking_and_preemption(model, lengths, pool):
     prompts = random_prompts(lengths)
     want, preempted, _ = _greedy(model, prompts, compile_decode=False, **pool)
-    got, _, engine = _greedy(model, prompts, compile_decode=True, **pool)
+    got, _, steps = _greedy(model, prompts, compile_decode=True, **pool)
     assert got == want and preempted > 0
     if pool:  # the preempted request decodes alone on consecutive pages once the other is done
-        assert engine.runner.compiled_decode.steps > 0
+        assert steps > 0
 
 
 def test_every_decode_step_of_a_lone_request_is_compiled(model):
     for prompt in random_prompts([10, 23]):
         want, _, _ = _greedy(model, [prompt], compile_decode=False)
-        got, _, engine = _greedy(model, [prompt], compile_decode=True)
-        assert got == want and engine.runner.compiled_decode.steps == 11
+        got, _, steps = _greedy(model, [prompt], compile_decode=True)
+        assert got == want and steps == 11
 
 
 def test_steps_the_graph_does_not_cover_run_eagerly(model, monkeypatch):
@@ -156,5 +159,5 @@ def test_int8_weights_decode_compiled_to_the_eager_tokens(tiny_dir):
     assert int8.compiled_decode() is not None
     for prompt in random_prompts([10, 23]):
         want, _, _ = _greedy(int8, [prompt], compile_decode=False)
-        got, _, engine = _greedy(int8, [prompt], compile_decode=True)
-        assert got == want and engine.runner.compiled_decode.steps == 11
+        got, _, steps = _greedy(int8, [prompt], compile_decode=True)
+        assert got == want and steps == 11
