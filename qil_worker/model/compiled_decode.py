@@ -21,17 +21,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor import config as inductor_config
 
 from qil_worker.attention.backend import StepAttention
-
-if TYPE_CHECKING:
-    from qil_worker.model.qwen3 import Qwen3
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +72,8 @@ class InPlaceDecode(StepAttention):
 class _DecodeForward(nn.Module):
     """The model's forward for one in-place decode row: what is compiled."""
 
-    def __init__(self, model: Qwen3) -> None:
+    def __init__(self, model: nn.Module) -> None:
+        """``model``: a ``Qwen3`` (not imported here: it imports this module)."""
         super().__init__()
         self.model = model
 
@@ -102,8 +98,8 @@ def frozen_weights() -> contextlib.AbstractContextManager:
     return stack
 
 
-def supports_compiled_decode(model: Qwen3) -> str | None:
-    """Why ``model`` cannot decode through the compiled graph (None: it can)."""
+def supports_compiled_decode(model: nn.Module) -> str | None:
+    """Why ``model`` (a ``Qwen3``) cannot decode through the compiled graph (None: it can)."""
     from qil_worker.model.moe import SparseMoeBlock
 
     if model.device.type != "cpu":
@@ -115,7 +111,7 @@ def supports_compiled_decode(model: Qwen3) -> str | None:
     return None
 
 
-def compile_decode_step(model: Qwen3) -> DecodeStep | None:
+def compile_decode_step(model: nn.Module) -> DecodeStep | None:
     """``model``'s in-place decode forward compiled (weights frozen as constants, dynamic key
     start, count and pool size), checked against the eager forward on a scratch cache → the
     compiled function, or None (logged once) where it cannot be compiled, e.g. no C++ compiler.
