@@ -8,8 +8,9 @@ constants and fuses the SiLU and the residual adds into; the call costs one grap
 
 The graph covers one shape: one token of a request whose keys lie back to back in the pool
 (``CpuAttention.key_run``: what the page pool gives a request growing alone), attended where
-they lie by SDPA. The keys' start and count, and the pool's size, are symbolic, so one graph
-serves every step and every engine of the model. Everything else (batches, prefill, keys
+they lie by SDPA. The keys' start and count, and the pool's size, are symbolic, so two graphs
+(keys from the pool's first slot, or after it: inductor's reinplacing tells the two apart)
+serve every step and every engine of the model. Everything else (batches, prefill, keys
 spread over the pool) stays eager. The model's own modules are traced, so the graph computes
 what the eager forward computes; bf16 differs by rounding where the fused operations keep
 float32 between steps that eager rounds (``PROBE_TOLERANCE``).
@@ -21,12 +22,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor import config as inductor_config
 
 from qil_worker.attention.backend import StepAttention
+from qil_worker.model.moe import SparseMoeBlock
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +103,6 @@ def frozen_weights() -> contextlib.AbstractContextManager:
 
 def supports_compiled_decode(model: nn.Module) -> str | None:
     """Why ``model`` (a ``Qwen3``) cannot decode through the compiled graph (None: it can)."""
-    from qil_worker.model.moe import SparseMoeBlock
-
     if model.device.type != "cpu":
         return "not on the CPU (inductor would emit Triton on CUDA)"
     if model.parallel.sharded:
