@@ -41,6 +41,20 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit; larger blocks are a
 _TOP_PAD = 64 << 20
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux ``/proc``; elsewhere its peak, or 0)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+
+            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        except Exception:  # noqa: BLE001
+            return 0
+
+
 @functools.lru_cache(maxsize=1)
 def keep_freed_memory() -> bool:
     """Once per process: glibc keeps freed heap memory and serves blocks up to 32 MiB from it.

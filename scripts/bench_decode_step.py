@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -107,15 +106,6 @@ def profile_steps(model, batch: int, prompt_len: list[int], steps: int, page_siz
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
 @contextlib.contextmanager
 def keys_gathered(enabled: bool):
     """While ``enabled``: CPU attention gathers every decode row's keys, never attending a lone
@@ -181,11 +171,11 @@ def main(argv=None) -> int:
         names = ("eager", "compiled")
         if args.quantize:
             model = Qwen3.from_directory(model_dir, device=args.device, dtype=args.dtype, quantize=args.quantize)
-        started, rss = time.perf_counter(), resident_bytes()
+        started, rss = time.perf_counter(), cpu_memory.resident_bytes()
         if model.compiled_decode() is None:
             raise SystemExit("the decode step did not compile (see the log)")
         print(f"decode step compiled in {time.perf_counter() - started:.1f} s; resident memory "
-              f"{rss / 2**30:.2f} -> {resident_bytes() / 2**30:.2f} GiB")
+              f"{rss / 2**30:.2f} -> {cpu_memory.resident_bytes() / 2**30:.2f} GiB")
         reference, fast = (model, False, "auto", False), (model, False, "auto", True)
     elif args.quantize:
         names = ("as-loaded", args.quantize)
@@ -218,14 +208,14 @@ def main(argv=None) -> int:
     print(f"{'batch':>6}{names[0] + ' ms':>10}{names[1] + ' ms':>10}{names[0] + ' tok/s':>13}"
           f"{names[1] + ' tok/s':>13}{'speed-up':>10}")
     for batch in args.batch:
+        def timed(arm, batch=batch):
+            model_, graphs, attention = arm[:3]
+            with keys_gathered(args.in_place and arm is reference):
+                return time_steps(model_, batch, args.prompt_len, args.steps, graphs, args.page_size,
+                                  attention, len(arm) > 3 and arm[3])
+
         ratios = []
         for round_ in range(args.rounds):
-            def timed(arm):
-                model_, graphs, attention = arm[:3]
-                with keys_gathered(args.in_place and arm is reference):
-                    return time_steps(model_, batch, args.prompt_len, args.steps, graphs, args.page_size,
-                                      attention, len(arm) > 3 and arm[3])
-
             if round_ % 2 == 0:
                 slow, quick = timed(reference), timed(fast)
             else:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from qil_worker.attention.backend import Chunk
 from qil_worker.attention.sdpa import AttentionGroup, GatherSdpa, GroupKernel, bias, gather_keys
+from qil_worker.kv.page_table import consecutive_start
 
 if TYPE_CHECKING:
     from qil_worker.kv.cache import KVCache
@@ -60,9 +61,8 @@ class CpuAttention(GatherSdpa):
         they are attended in place instead of being copied out first."""
         if len(members) != 1:
             return None
-        pages = members[0].pages[:key_pages]
-        first = pages[0]
-        return first * page_size if pages == list(range(first, first + key_pages)) else None
+        first = consecutive_start(members[0].pages, key_pages)
+        return None if first is None else first * page_size
 
 
 def decode_kernel(q: torch.Tensor, kv: KVCache, layer: int, group: AttentionGroup) -> torch.Tensor:

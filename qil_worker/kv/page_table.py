@@ -10,6 +10,13 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def consecutive_start(pages: list[int], count: int) -> int | None:
+    """The first page when the first ``count`` of ``pages`` follow each other in the pool (what
+    the pool gives a request growing alone: its keys lie back to back), else None."""
+    first = pages[0]
+    return first if pages[:count] == list(range(first, first + count)) else None
+
+
 class PageTable:
     """Grows only as tokens are computed; gives everything back at once."""
 

@@ -17,6 +17,7 @@ from qil_worker.engine.in_flight import decode_inputs, fill_inputs
 from qil_worker.engine.scheduler import ScheduledChunk
 from qil_worker.engine.transfer import to_device
 from qil_worker.kv.cache import KVCache
+from qil_worker.kv.page_table import consecutive_start
 from qil_worker.model.compiled_decode import DecodeStep, frozen_weights
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,7 @@ class CompiledDecode:
         request = chunk.request
         if chunk.num_tokens != 1 or chunk.start == 0 or not chunk.samples or request.prompt_logprobs is not None:
             return False
-        pages = chunk.pages
-        last = chunk.start // self.page_size
-        return pages[last] - pages[0] == last and all(pages[i + 1] == pages[i] + 1 for i in range(last))
+        return consecutive_start(chunk.pages, chunk.start // self.page_size + 1) is not None
 
     def run(self, chunks: list[ScheduledChunk], in_flight_tokens: torch.Tensor | None) -> torch.Tensor | None:
         """The step's logits [1, vocab]; None where the compiled call failed (the caller runs the

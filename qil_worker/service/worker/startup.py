@@ -145,23 +145,12 @@ def _memory_summary(model: Any, pool: Any) -> str:
 
         parts.append(f"cuda allocated {_mib(torch.cuda.memory_allocated(device))}")
     else:
-        rss = _rss_bytes()
+        from qil_worker.cpu_memory import resident_bytes
+
+        rss = resident_bytes()
         if rss:
             parts.append(f"process RSS {_mib(rss)}")
     return ", ".join(parts)
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        try:
-            import resource
-
-            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-        except Exception:  # noqa: BLE001
-            return 0
 
 
 def _install_forward_fault(model: Any, spec: str | None) -> None:
